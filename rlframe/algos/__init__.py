@@ -1,0 +1,51 @@
+"""Pure tensor functions of the RL algorithms: advantages, policy losses, KL; and their registries."""
+
+from rlframe.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from rlframe.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    build_kl_controller,
+    kl_penalty,
+)
+from rlframe.algos.losses import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    agg_loss,
+    entropy_from_logits,
+    get_policy_loss,
+    log_probs_from_logits,
+    register_policy_loss,
+)
+from rlframe.algos.plugins import load_object_from_file, register_from_config
+from rlframe.algos.utils import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "AdaptiveKLController",
+    "AdvantageConfig",
+    "FixedKLController",
+    "POLICY_LOSSES",
+    "PolicyLossConfig",
+    "agg_loss",
+    "build_kl_controller",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "kl_penalty",
+    "load_object_from_file",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_advantage_estimator",
+    "register_from_config",
+    "register_policy_loss",
+]

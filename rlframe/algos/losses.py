@@ -1,0 +1,301 @@
+"""Policy losses, loss aggregation and the log-prob / entropy helpers the workers use.
+
+Shapes: B sequences, T response tokens; `loss_mask`/`response_mask` [B, T] is 1 on real tokens.
+
+Every policy loss has the same signature
+
+    loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, config=PolicyLossConfig(), agg=agg)
+
+where `agg` holds the keyword arguments of `agg_loss` (mode, num_tokens, num_seqs, horizon).
+`metrics` are plain floats computed on the tensors given (a micro-batch): the worker averages them.
+
+Register your own with `@register_policy_loss("name")` or through `rlframe.algos.plugins`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from rlframe.algos.utils import masked_mean
+
+# ----------------------------------------------------------------------------------------------
+# aggregation
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    horizon: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss matrix [B, T] to a scalar.
+
+    With l = loss_mat, m = loss_mask, n_i = sum_t m[i, t]:
+
+        "token-mean":               sum_{i,t} l*m / num_tokens
+        "seq-mean-token-sum":       sum_i (sum_t l*m) / num_seqs
+        "seq-mean-token-mean":      sum_i (sum_t l*m / max(n_i, 1)) / num_seqs
+        "seq-mean-token-sum-norm":  sum_{i,t} l*m / (num_seqs * horizon)      (Dr. GRPO)
+
+    The split contract (why the normalisers are arguments):
+        A mini-batch is cut into micro-batches (gradient accumulation) and spread over
+        data-parallel ranks. Pass `num_tokens` = the number of unmasked tokens and `num_seqs`
+        = the number of sequences in the WHOLE mini-batch (all micro-batches, all ranks), and
+        `horizon` = one fixed length for all of them. Then every mode is a plain sum over
+        micro-batches, so
+
+            sum over micro-batches and ranks of agg_loss(micro-batch)  ==  agg_loss(mini-batch)
+
+        and so are the gradients: accumulate micro-batch gradients with `loss.backward()` (no
+        division by the number of micro-batches) and SUM gradients over ranks. DDP/FSDP average
+        over ranks instead, so a worker using them multiplies the loss by the data-parallel
+        world size.
+
+    Defaults (when a normaliser is None) are the local counts of this call:
+        num_tokens = sum(m);  num_seqs = number of rows with at least one unmasked token (fully
+        masked rows, e.g. padding rows added to divide the batch evenly, do not count);
+        horizon = T (loss_mat.shape[-1]).
+    A normaliser below 1 is treated as 1, so an all-masked input gives loss 0, never NaN.
+    """
+    mask = loss_mask.to(loss_mat.dtype)
+    masked_loss = loss_mat * mask
+    if mode == "token-mean":
+        if num_tokens is None:
+            num_tokens = mask.sum()
+        return masked_loss.sum() / _as_denominator(num_tokens, loss_mat)
+    if num_seqs is None:
+        num_seqs = (mask.sum(dim=-1) > 0).sum()
+    if mode == "seq-mean-token-sum":
+        return masked_loss.sum() / _as_denominator(num_seqs, loss_mat)
+    if mode == "seq-mean-token-mean":
+        per_sequence = masked_loss.sum(dim=-1) / mask.sum(dim=-1).clamp_min(1.0)
+        return per_sequence.sum() / _as_denominator(num_seqs, loss_mat)
+    if mode == "seq-mean-token-sum-norm":
+        if horizon is None:
+            horizon = loss_mat.shape[-1]
+        return masked_loss.sum() / (_as_denominator(num_seqs, loss_mat) * horizon)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
+
+
+def _as_denominator(count, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp_min(1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# policy losses
+
+
+@dataclass
+class PolicyLossConfig:
+    """Clipping ranges of the policy losses (each loss reads its own).
+
+    clip_ratio_low / clip_ratio_high: PPO ratio range [1 - low, 1 + high]; high > low is DAPO's
+        "clip-higher" (e.g. 0.2 / 0.28).
+    clip_ratio_c: dual-clip bound (Ye et al., 2020): for A < 0 the loss is capped at -A * c,
+        so a huge ratio on a negative-advantage token cannot dominate. Must be > 1; None disables.
+    gspo_clip_low / gspo_clip_high: GSPO's sequence-ratio range (the paper's 3e-4 / 4e-4).
+    cispo_clip_high: CISPO's upper bound on the importance weight: min(ratio, 1 + high). 0.28 as
+        DAPO's clip-higher; MiniMax-M1 tunes only this bound.
+    cispo_clip_low: optional lower bound max(ratio, 1 - low); None (the paper's choice) disables it.
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
+    cispo_clip_high: float = 0.28
+    cispo_clip_low: float | None = None
+
+
+class PolicyLoss(Protocol):
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        config: PolicyLossConfig,
+        agg: dict | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: make `fn` available as `get_policy_loss(name)`."""
+
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """Look a policy loss up by name; the error lists the registered names."""
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        available = ", ".join(sorted(POLICY_LOSSES))
+        raise KeyError(
+            f"unknown policy loss {name!r}; available: {available}. "
+            "Register a new one with @register_policy_loss or a plugin file."
+        ) from None
+
+
+def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> float:
+    return masked_mean(condition.to(torch.float32), mask.to(torch.float32)).item()
+
+
+@register_policy_loss("vanilla")
+def compute_vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, *, config, agg=None):
+    """PPO clipped surrogate with asymmetric clip and dual-clip.
+
+        ratio  = exp(log_prob - old_log_prob)                  (log-ratio clamped to [-20, 20])
+        l_clip = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+        l      = min(l_clip, -A * c)   if A < 0 and c (clip_ratio_c) is set
+               = l_clip                otherwise
+        loss   = agg_loss(l, mask, **agg)
+
+    metrics: pg_clipfrac (tokens where the clipped term is the larger), pg_clipfrac_lower (A < 0
+    tokens capped by the dual clip), ppo_kl (masked mean of old_log_prob - log_prob), ratio_mean.
+    """
+    c = config.clip_ratio_c
+    if c is not None and c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None to disable dual-clip), got {c}")
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    metrics = {"pg_clipfrac": _fraction(clipped > unclipped, response_mask)}
+    if c is not None:
+        dual_bound = -advantages * c
+        is_negative = advantages < 0
+        metrics["pg_clipfrac_lower"] = _fraction((loss_mat > dual_bound) & is_negative, response_mask)
+        loss_mat = torch.where(is_negative, torch.minimum(loss_mat, dual_bound), loss_mat)
+    else:
+        metrics["pg_clipfrac_lower"] = 0.0
+    loss = agg_loss(loss_mat, response_mask, **(agg or {}))
+    metrics["ppo_kl"] = masked_mean(-log_ratio, response_mask).item()
+    metrics["ratio_mean"] = masked_mean(ratio, response_mask).item()
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def compute_gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, *, config, agg=None):
+    """GSPO (Zheng et al., 2025): one importance ratio per sequence.
+
+        s_i     = exp( sum_t m * (log_prob - old_log_prob) / n_i )      (geometric-mean ratio)
+        s_i,t   = sg(s_i) * exp(log_prob_t - sg(log_prob_t))            (= s_i in value; its
+                  gradient is s_i * grad log_prob_t, so "seq-mean-token-mean" gives exactly
+                  grad s_i = s_i * mean_t grad log_prob_t)
+        l_i,t   = max(-A * s_i,t, -A * clip(s_i,t, 1 - gspo_low, 1 + gspo_high))
+        loss    = agg_loss(l, mask, **agg)       (the paper uses "seq-mean-token-mean")
+
+    The sequence log-ratio is clamped to at most 10 before the exp.
+    metrics: pg_clipfrac, ppo_kl, ratio_mean (mean sequence ratio over non-empty rows).
+    """
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    lengths = mask.sum(dim=-1)
+    seq_log_ratio = (log_ratio * mask).sum(dim=-1) / lengths.clamp_min(1.0)
+    token_log_ratio = seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach()
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - config.gspo_clip_low, 1.0 + config.gspo_clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    loss = agg_loss(loss_mat, mask, **(agg or {}))
+    non_empty = (lengths > 0).to(log_prob.dtype)
+    metrics = {
+        "pg_clipfrac": _fraction(clipped > unclipped, mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        "ratio_mean": masked_mean(torch.exp(torch.clamp(seq_log_ratio, max=10.0)), non_empty).item(),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def compute_cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, *, config, agg=None):
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by a clipped, stop-gradient importance ratio.
+
+        ratio = exp(log_prob - old_log_prob)                  (log-ratio clamped to [-20, 20])
+        w     = sg(clip(ratio, max = 1 + cispo_high))          (and min = 1 - cispo_low if set)
+        l     = -w * A * log_prob
+        loss  = agg_loss(l, mask, **agg)
+
+    Unlike PPO no token's gradient is dropped: the clip bounds the weight, not the update.
+    metrics: pg_clipfrac (tokens whose weight was clipped), ppo_kl, ratio_mean.
+    """
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    low = None if config.cispo_clip_low is None else 1.0 - config.cispo_clip_low
+    weight = torch.clamp(ratio, min=low, max=1.0 + config.cispo_clip_high).detach()
+    loss_mat = -weight * advantages * log_prob
+    loss = agg_loss(loss_mat, response_mask, **(agg or {}))
+    metrics = {
+        "pg_clipfrac": _fraction(weight != ratio.detach(), response_mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+        "ratio_mean": masked_mean(ratio, response_mask).item(),
+    }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probs and entropy from logits
+
+
+def log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+) -> torch.Tensor:
+    """log softmax(logits)[label] = logits[label] - logsumexp(logits), shape of `labels`.
+
+    Never materialises the full [.., V] log-softmax: only the gathered logit and the logsumexp.
+    Computed in float32 (logits of lower precision are upcast chunk by chunk). `chunk_size`
+    processes that many positions at a time along the flattened leading dims, bounding the
+    float32 copy to chunk_size x V (useful under no_grad for long sequences and large vocabularies).
+    """
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_labels = labels.reshape(-1)
+    step = flat_logits.shape[0] if not chunk_size else chunk_size
+    pieces = []
+    for start in range(0, flat_logits.shape[0], max(step, 1)):
+        chunk = flat_logits[start : start + step].float()
+        picked = chunk.gather(-1, flat_labels[start : start + step].unsqueeze(-1)).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
+    out = torch.cat(pieces) if pieces else flat_logits.new_zeros(0, dtype=torch.float32)
+    return out.reshape(labels.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum_v softmax(z)_v * z_v.
+
+    Stable for large logits (no log of a tiny probability). Float32, shape logits.shape[:-1];
+    `chunk_size` as in `log_probs_from_logits`.
+    """
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    step = flat_logits.shape[0] if not chunk_size else chunk_size
+    pieces = []
+    for start in range(0, flat_logits.shape[0], max(step, 1)):
+        chunk = flat_logits[start : start + step].float()
+        probs = torch.softmax(chunk, dim=-1)
+        pieces.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(dim=-1))
+    out = torch.cat(pieces) if pieces else flat_logits.new_zeros(0, dtype=torch.float32)
+    return out.reshape(logits.shape[:-1])

@@ -1,0 +1,241 @@
+"""Advantage estimators against hand-computed numbers (see the comments for the arithmetic)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rlframe.algos import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    get_advantage_estimator,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    register_advantage_estimator,
+)
+
+# Six sequences, T = 3. Outcome reward sits on the last real token of each row.
+#   group "a": rewards 1, 0          (size 2)
+#   group "b": rewards 0, 1, 2       (size 3; lengths 1, 2, 3)
+#   group "c": reward 5              (size 1)
+MASK = torch.tensor(
+    [
+        [1, 1, 0],
+        [1, 1, 1],
+        [1, 0, 0],
+        [1, 1, 0],
+        [1, 1, 1],
+        [1, 1, 0],
+    ],
+    dtype=torch.float32,
+)
+SCORES = [1.0, 0.0, 0.0, 1.0, 2.0, 5.0]
+GROUPS = np.array(["a", "a", "b", "b", "b", "c"], dtype=object)
+
+
+def outcome_token_rewards(scores=SCORES, mask=MASK):
+    rewards = torch.zeros_like(mask)
+    for row, score in enumerate(scores):
+        last = int(mask[row].sum()) - 1
+        rewards[row, last] = score
+    # junk after the end of the response must be ignored
+    rewards = rewards + 100.0 * (1 - mask)
+    return rewards
+
+
+def per_row(advantages):
+    """The advantage of each row, after checking it is constant on the mask and 0 outside."""
+    values = []
+    for row in range(advantages.shape[0]):
+        valid = MASK[row].bool()
+        assert torch.all(advantages[row][~valid] == 0)
+        row_values = advantages[row][valid]
+        assert torch.allclose(row_values, row_values[0].expand_as(row_values))
+        values.append(row_values[0].item())
+    return values
+
+
+def run(name, **kwargs):
+    config = kwargs.pop("config", AdvantageConfig())
+    rewards = kwargs.pop("rewards", outcome_token_rewards())
+    mask = kwargs.pop("mask", MASK)
+    groups = kwargs.pop("groups", GROUPS)
+    return get_advantage_estimator(name)(rewards, mask, groups, config=config, **kwargs)
+
+
+def test_grpo_hand_computed():
+    advantages, returns = run("grpo")
+    # a: mean 0.5, unbiased std sqrt((0.25 + 0.25) / 1) = 0.7071 -> +-0.5 / 0.7071
+    # b: mean 1, unbiased std sqrt((1 + 0 + 1) / 2) = 1        -> -1, 0, 1
+    # c: group of one                                           -> 0
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    expected = [a, -a, -1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6), 0.0]
+    assert per_row(advantages) == pytest.approx(expected, rel=1e-6)
+    assert torch.equal(advantages, returns)
+
+
+def test_grpo_int_group_ids_and_all_equal_rewards():
+    rewards = outcome_token_rewards(scores=[3.0, 3.0, 3.0, 3.0, 3.0, 3.0])
+    advantages, _ = run("grpo", rewards=rewards, groups=np.array([7, 7, 8, 8, 8, 9]))
+    assert torch.all(advantages == 0)  # zero std: (r - mean) = 0, no NaN
+
+
+def test_drgrpo_and_grpo_without_std():
+    expected = [0.5, -0.5, -1.0, 0.0, 1.0, 0.0]
+    advantages, _ = run("drgrpo")
+    assert per_row(advantages) == pytest.approx(expected)
+    advantages, _ = run("grpo", config=AdvantageConfig(norm_by_std=False))
+    assert per_row(advantages) == pytest.approx(expected)
+
+
+def test_rloo_hand_computed():
+    advantages, _ = run("rloo")
+    # a: 1 - 0 = 1, 0 - 1 = -1;  b: 0 - 1.5, 1 - 1, 2 - 0.5;  c: 0
+    assert per_row(advantages) == pytest.approx([1.0, -1.0, -1.5, 0.0, 1.5, 0.0])
+
+
+def test_opo_length_weighted_baseline():
+    advantages, _ = run("opo")
+    # a: lengths 2, 3 -> b = (2*1 + 3*0) / 5 = 0.4
+    # b: lengths 1, 2, 3 -> b = (0 + 2*1 + 3*2) / 6 = 4/3
+    expected = [0.6, -0.4, -4 / 3, 1 - 4 / 3, 2 - 4 / 3, 0.0]
+    assert per_row(advantages) == pytest.approx(expected, rel=1e-6)
+
+
+def test_remax_subtracts_baseline_rewards():
+    baseline = torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 6.0])
+    advantages, _ = run("remax", baseline_rewards=baseline, groups=None)
+    assert per_row(advantages) == pytest.approx([0.5, -0.5, -1.0, 0.0, 1.0, -1.0])
+    with pytest.raises(ValueError, match="baseline_rewards"):
+        run("remax", groups=None)
+
+
+def test_reinforce_plus_plus_baseline_whitens_centred_scores():
+    advantages, returns = run("reinforce_plus_plus_baseline")
+    # centred scores per row: 0.5, -0.5, -1, 0, 1, 0 ; broadcast over the 13 masked tokens
+    centred = [0.5, -0.5, -1.0, 0.0, 1.0, 0.0]
+    lengths = [2, 3, 1, 2, 3, 2]
+    tokens = np.repeat(centred, lengths)
+    mean, std = tokens.mean(), tokens.std(ddof=1)
+    expected = [(c - mean) / math.sqrt(std**2 + 1e-8) for c in centred]
+    assert per_row(advantages) == pytest.approx(expected, rel=1e-5)
+    assert masked_mean(advantages, MASK).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_reinforce_plus_plus_discounted_returns_then_whitened():
+    rewards = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 50.0], [1.0, 5.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    config = AdvantageConfig(gamma=0.5)
+    advantages, returns = get_advantage_estimator("reinforce_plus_plus")(rewards, mask, config=config)
+    # row 0: G2 = 2, G1 = 0 + 0.5*2 = 1, G0 = 1 + 0.5*1 = 1.5
+    # row 1: padding ignored: G1 = 3, G0 = 0 + 0.5*3 = 1.5
+    # row 2: the masked middle token is skipped: G2 = 2, G0 = 1 + 0.5*2 = 2
+    expected_returns = torch.tensor([[1.5, 1.0, 2.0], [1.5, 3.0, 0.0], [2.0, 0.0, 2.0]])
+    assert torch.allclose(returns, expected_returns)
+    valid = np.array([1.5, 1.0, 2.0, 1.5, 3.0, 2.0, 2.0])  # mean 13/7
+    whitened = (valid - valid.mean()) / math.sqrt(valid.var(ddof=1) + 1e-8)
+    assert torch.allclose(advantages[mask.bool()], torch.tensor(whitened, dtype=torch.float32), atol=1e-6)
+    assert torch.all(advantages[~mask.bool()] == 0)
+
+
+def test_gae_hand_computed():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.2, 0.4, 9.0]])  # 9.0 sits on padding: ignored
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    gae = get_advantage_estimator("gae")
+
+    # gamma = lam = 1: A_t = sum of rewards to go - V_t
+    advantages, returns = gae(rewards, mask, config=AdvantageConfig(), values=values)
+    assert torch.allclose(advantages, torch.tensor([[0.5, 0.4, 0.3], [0.8, 0.6, 0.0]]))
+    assert torch.allclose(returns, torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
+
+    # gamma = 0.9, lam = 0.5 (gamma * lam = 0.45)
+    #   row 0: d2 = 1 - 0.7 = 0.3; d1 = 0.9*0.7 - 0.6 = 0.03; d0 = 0.9*0.6 - 0.5 = 0.04
+    #          A2 = 0.3; A1 = 0.03 + 0.45*0.3 = 0.165; A0 = 0.04 + 0.45*0.165 = 0.11425
+    #   row 1: d1 = 1 - 0.4 = 0.6; d0 = 0.9*0.4 - 0.2 = 0.16; A1 = 0.6; A0 = 0.16 + 0.45*0.6 = 0.43
+    config = AdvantageConfig(gamma=0.9, lam=0.5)
+    advantages, returns = gae(rewards, mask, config=config, values=values)
+    expected = torch.tensor([[0.11425, 0.165, 0.3], [0.43, 0.6, 0.0]])
+    assert torch.allclose(advantages, expected, atol=1e-6)
+    assert torch.allclose(returns, (expected + values) * mask, atol=1e-6)
+
+    with pytest.raises(ValueError, match="values"):
+        gae(rewards, mask, config=config)
+
+
+def test_gae_skips_interior_masked_tokens():
+    # a masked token in the middle (e.g. tool output) is skipped as if it were not there
+    rewards = torch.tensor([[0.0, 7.0, 1.0]])
+    values = torch.tensor([[0.5, 3.0, 0.7]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    advantages, _ = get_advantage_estimator("gae")(rewards, mask, config=AdvantageConfig(), values=values)
+    # A2 = 1 - 0.7 = 0.3; A0 = 0 + 0.7 - 0.5 + 0.3 = 0.5
+    assert torch.allclose(advantages, torch.tensor([[0.5, 0.0, 0.3]]))
+
+
+def test_fully_masked_row_gets_zero_and_no_nan():
+    mask = MASK.clone()
+    mask[1] = 0  # the second sample of group "a" has no tokens: its outcome reward is 0
+    for name in ["grpo", "drgrpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]:
+        advantages, returns = run(name, mask=mask)
+        assert torch.isfinite(advantages).all(), name
+        assert torch.all(advantages[1] == 0), name
+        assert torch.all(returns[1] == 0), name
+
+
+def test_everything_masked_gives_zeros():
+    mask = torch.zeros(2, 3)
+    rewards = torch.ones(2, 3)
+    for name in ["grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]:
+        advantages, _ = get_advantage_estimator(name)(rewards, mask, np.array([0, 0]), config=AdvantageConfig())
+        assert torch.equal(advantages, torch.zeros(2, 3)), name
+
+
+def test_whiten_option_and_bool_mask():
+    advantages, _ = run("rloo", config=AdvantageConfig(whiten=True), mask=MASK.bool())
+    assert masked_mean(advantages, MASK).item() == pytest.approx(0.0, abs=1e-6)
+    assert masked_var(advantages, MASK).item() == pytest.approx(1.0, rel=1e-5)
+    assert torch.all(advantages[~MASK.bool()] == 0)
+
+
+def test_group_index_errors():
+    with pytest.raises(ValueError, match="group_index"):
+        run("grpo", groups=None)
+    with pytest.raises(ValueError, match="5 entries"):
+        run("grpo", groups=GROUPS[:5])
+
+
+def test_registry():
+    assert {"gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo"} <= set(
+        ADVANTAGE_ESTIMATORS
+    )
+    with pytest.raises(KeyError, match="available: .*grpo"):
+        get_advantage_estimator("nope")
+
+    @register_advantage_estimator("test_constant_one")
+    def constant(token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None):
+        ones = torch.ones_like(token_level_rewards)
+        return ones, ones
+
+    try:
+        advantages, _ = run("test_constant_one")
+        assert torch.equal(advantages, MASK)  # zeroed outside the mask by the registry wrapper
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage_estimator("test_constant_one")(constant)
+    finally:
+        ADVANTAGE_ESTIMATORS.pop("test_constant_one")
+
+
+def test_masked_helpers():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert masked_mean(values, mask).item() == pytest.approx(2.0)
+    assert masked_mean(values, mask, dim=-1).tolist() == pytest.approx([1.5, 3.0])
+    assert masked_var(values, mask).item() == pytest.approx(1.0)  # (1 + 0 + 1) / 2
+    assert masked_var(values, mask, unbiased=False).item() == pytest.approx(2 / 3)
+    whitened = masked_whiten(values, mask)
+    assert whitened[mask.bool()].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
+    assert masked_mean(values, torch.zeros(2, 3)).item() == 0.0
+    assert masked_var(values, torch.zeros(2, 3)).item() == 0.0
