@@ -1,0 +1,352 @@
+"""The prompt dataset of an RL run: load, validate, template, tokenize; and collate into a batch.
+
+Accepted files (one dataset may mix several):
+  * ``.parquet`` (pyarrow), ``.jsonl`` / ``.json`` (one JSON object per line),
+  * a folder written by ``datasets.Dataset.save_to_disk`` (loaded with ``datasets.load_from_disk``).
+
+Row layout (the common verl layout; ``reward_fns`` and ``examples/data_preprocess`` use it)::
+
+    prompt        list of chat messages [{"role": ..., "content": ...}], or a plain string
+    reward_model  {"ground_truth": ...}            (or a plain column, with answer_key="answer")
+    data_source   str (optional: defaults to the file's stem)
+    extra_info    dict (optional)
+
+Every row is checked when the dataset is built, so a bad row fails at start-up, not hours into a
+run: a missing or malformed field raises ``DatasetError`` naming the file, the row number and the
+field (``bad_rows="skip"`` drops such rows instead and reports how many). Prompts are rendered
+with the tokenizer's chat template and tokenized once; a prompt longer than
+``max_prompt_length`` tokens raises (``overlong="error"``), is dropped (``"filter"``) or keeps its
+last ``max_prompt_length`` tokens (``"truncate_left"``), with the count logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlframe.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+OVERLONG_POLICIES = ("error", "filter", "truncate_left")
+BAD_ROW_POLICIES = ("error", "skip")
+
+
+class DatasetError(ValueError):
+    """A data file or row is unusable; the message names the file, row and field."""
+
+
+# ------------------------------------------------------------------ reading files
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Read every row of a parquet / jsonl file or a ``datasets`` folder as plain dicts."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"data file not found: {path}")
+    if path.is_dir():
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as exc:
+            raise DatasetError(f"{path}: not a folder written by datasets' save_to_disk "
+                               f"({type(exc).__name__}: {exc})") from exc
+        if isinstance(ds, datasets.DatasetDict):
+            raise DatasetError(f"{path} holds a DatasetDict with splits {list(ds)}; point at one "
+                               f"split's folder, e.g. {path / next(iter(ds))}")
+        return ds.to_list()
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(f"{path}, line {line_number}: invalid JSON ({exc})") from exc
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{path}, line {line_number}: expected a JSON object, got "
+                                       f"{type(row).__name__}")
+                rows.append(row)
+        return rows
+    raise DatasetError(f"{path}: unsupported data file type {suffix!r}; use .parquet, .jsonl or a "
+                       f"datasets save_to_disk folder")
+
+
+# ------------------------------------------------------------------ checking rows
+
+
+class _BadRow(ValueError):
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"field {field!r}: {problem}")
+
+
+def _get_field(row: dict, dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise _BadRow(dotted, "missing")
+        value = value[part]
+    return value
+
+
+def _check_messages(value: Any, field: str) -> list[dict]:
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, list) or not value:
+        raise _BadRow(field, f"expected a non-empty list of chat messages or a string, got "
+                             f"{type(value).__name__}")
+    messages = []
+    for j, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise _BadRow(f"{field}[{j}]", f"expected a dict with 'role' and 'content', got "
+                                           f"{type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise _BadRow(f"{field}[{j}].{key}", "missing or not a string")
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+# ------------------------------------------------------------------ the dataset
+
+
+class RLDataset:
+    """Tokenized prompts with their ground truths; ``ds[i]`` is a dict (see ``__getitem__``).
+
+    Args:
+        files: data files (parquet, jsonl, datasets folders), concatenated in order.
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        prompt_key: the prompt column (chat list or plain string).
+        answer_key: a plain ground-truth column (e.g. "answer"); None reads
+            ``reward_model.ground_truth``.
+        max_prompt_length: the longest prompt, in tokens, after the chat template.
+        overlong: "error" | "filter" | "truncate_left".
+        bad_rows: "error" | "skip".
+        prompt_template: a Jinja template file applied to plain-string prompts; it sees the
+            prompt as ``{{ prompt }}`` (also ``{{ question }}``) and the row as ``{{ row }}``,
+            and renders the user message. Chat-list prompts are used as they are.
+        file_weights: relative sampling weights of the files. Each file then contributes
+            ``round(total_rows * w / sum(w))`` rows to the index space (rows repeated or dropped
+            by a seeded permutation), so a uniform sampler draws the files in those proportions.
+        default_data_source: data_source of rows that have none (default: the file's stem).
+        seed: seed of the file_weights resampling.
+    """
+
+    def __init__(self, files: list[str] | str, tokenizer, *, prompt_key: str = "prompt",
+                 answer_key: str | None = None, max_prompt_length: int = 256,
+                 overlong: str = "error", bad_rows: str = "error",
+                 prompt_template: str | None = None, file_weights: list[float] | None = None,
+                 default_data_source: str | None = None, seed: int = 0):
+        if isinstance(files, (str, Path)):
+            files = [files]
+        files = [str(f) for f in files]
+        if not files:
+            raise DatasetError("no data files given")
+        if overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
+        if bad_rows not in BAD_ROW_POLICIES:
+            raise ValueError(f"bad_rows must be one of {BAD_ROW_POLICIES}, got {bad_rows!r}")
+        if file_weights is not None and (len(file_weights) != len(files)
+                                         or any(w < 0 for w in file_weights)
+                                         or sum(file_weights) <= 0):
+            raise ValueError(f"file_weights must be {len(files)} non-negative numbers with a "
+                             f"positive sum, got {file_weights!r}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DatasetError("the tokenizer has no chat template: use an instruct/chat "
+                               "model's tokenizer or set tokenizer.chat_template")
+        self.tokenizer = tokenizer
+        self.files = files
+        self.prompt_key = prompt_key
+        self.answer_key = answer_key
+        self.max_prompt_length = max_prompt_length
+        self.overlong = overlong
+        self.bad_rows = bad_rows
+        self.default_data_source = default_data_source
+        self._template = self._load_template(prompt_template)
+
+        self.num_skipped = 0     # malformed rows dropped (bad_rows="skip")
+        self.num_filtered = 0    # overlong prompts dropped (overlong="filter")
+        self.num_truncated = 0   # overlong prompts cut (overlong="truncate_left")
+        per_file: list[list[dict]] = [self._load_file(path) for path in files]
+        if file_weights is not None:
+            per_file = _resample_files(per_file, file_weights, seed)
+        self.rows: list[dict] = [row for rows in per_file for row in rows]
+        if not self.rows:
+            raise DatasetError(f"no usable rows in {files}")
+        if self.num_filtered or self.num_truncated:
+            logger.info("RLDataset: %d prompts longer than max_prompt_length=%d were %s",
+                        self.num_filtered or self.num_truncated, max_prompt_length,
+                        "filtered out" if self.num_filtered else "left-truncated")
+        logger.info("RLDataset: %d rows from %d file(s)", len(self.rows), len(files))
+
+    @staticmethod
+    def _load_template(path: str | None):
+        if path is None:
+            return None
+        import jinja2
+
+        template_path = Path(path)
+        if not template_path.is_file():
+            raise DatasetError(f"prompt_template file not found: {path}")
+        return jinja2.Environment(undefined=jinja2.StrictUndefined,
+                                  keep_trailing_newline=False).from_string(template_path.read_text())
+
+    def _load_file(self, path: str) -> list[dict]:
+        raw_rows = read_rows(path)
+        examples, texts, skipped, first_problem = [], [], 0, None
+        for number, row in enumerate(raw_rows):
+            try:
+                example = self._check_row(row, path)
+            except _BadRow as exc:
+                message = f"{path}, row {number}: {exc}"
+                if self.bad_rows == "error":
+                    raise DatasetError(message + " (bad_rows='skip' drops such rows)") from None
+                skipped += 1
+                first_problem = first_problem or message
+                continue
+            example["row"] = number
+            examples.append(example)
+            texts.append(example["raw_prompt"])
+        if skipped:
+            logger.warning("RLDataset: skipped %d malformed rows of %s; the first: %s",
+                           skipped, path, first_problem)
+        self.num_skipped += skipped
+
+        token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        kept = []
+        for example, ids in zip(examples, token_ids):
+            if len(ids) > self.max_prompt_length:
+                if self.overlong == "error":
+                    raise DatasetError(
+                        f"{path}, row {example['row']}: the prompt has {len(ids)} tokens, more "
+                        f"than max_prompt_length={self.max_prompt_length}. Raise "
+                        f"max_prompt_length or set overlong='filter' / 'truncate_left'")
+                if self.overlong == "filter":
+                    self.num_filtered += 1
+                    continue
+                ids = ids[-self.max_prompt_length:]
+                example["raw_prompt"] = self.tokenizer.decode(ids)
+                self.num_truncated += 1
+            example["input_ids"] = list(ids)
+            kept.append(example)
+        return kept
+
+    def _check_row(self, row: dict, path: str) -> dict:
+        """Validate one row and build its example (everything but the token ids)."""
+        prompt = _get_field(row, self.prompt_key)
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise _BadRow(self.prompt_key, "empty string")
+            content = prompt
+            if self._template is not None:
+                try:
+                    content = self._template.render(prompt=prompt, question=prompt, row=row)
+                except Exception as exc:
+                    raise _BadRow(self.prompt_key, f"prompt_template failed: {exc}") from None
+            messages = [{"role": "user", "content": content}]
+        else:
+            messages = _check_messages(prompt, self.prompt_key)
+
+        answer_field = self.answer_key or "reward_model.ground_truth"
+        ground_truth = _get_field(row, answer_field)
+        if isinstance(ground_truth, np.ndarray):
+            ground_truth = ground_truth.tolist()
+        if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
+            raise _BadRow(answer_field, "empty")
+        if not isinstance(ground_truth, (str, int, float, list)) or isinstance(ground_truth, bool):
+            raise _BadRow(answer_field, f"expected a string, number or list, got "
+                                        f"{type(ground_truth).__name__}")
+
+        data_source = row.get("data_source")
+        if data_source is None:
+            data_source = self.default_data_source or Path(path).stem
+        elif not isinstance(data_source, str):
+            raise _BadRow("data_source", f"expected a string, got {type(data_source).__name__}")
+
+        extra_info = row.get("extra_info")
+        if extra_info is None:
+            extra_info = {}
+        elif not isinstance(extra_info, dict):
+            raise _BadRow("extra_info", f"expected a dict, got {type(extra_info).__name__}")
+
+        try:
+            raw_prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                            tokenize=False)
+        except Exception as exc:
+            raise _BadRow(self.prompt_key, f"the chat template failed: {exc}") from None
+        return {"raw_prompt": raw_prompt, "ground_truth": ground_truth,
+                "data_source": data_source, "extra_info": extra_info, "file": path}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        """``input_ids`` (list[int], unpadded), ``raw_prompt`` (the templated text),
+        ``ground_truth``, ``data_source``, ``extra_info``, ``index`` (= i)."""
+        row = self.rows[i]
+        return {"input_ids": row["input_ids"], "raw_prompt": row["raw_prompt"],
+                "ground_truth": row["ground_truth"], "data_source": row["data_source"],
+                "extra_info": row["extra_info"], "index": i}
+
+
+def _resample_files(per_file: list[list[dict]], weights: list[float], seed: int) -> list[list[dict]]:
+    total = sum(len(rows) for rows in per_file)
+    weight_sum = float(sum(weights))
+    rng = np.random.default_rng(seed)
+    out = []
+    for rows, weight in zip(per_file, weights):
+        target = int(round(total * weight / weight_sum))
+        if not rows or target == 0:
+            out.append([])
+            continue
+        repeats = -(-target // len(rows))
+        order = np.concatenate([rng.permutation(len(rows)) for _ in range(repeats)])[:target]
+        out.append([rows[j] for j in order])
+    return out
+
+
+# ------------------------------------------------------------------ batching
+
+
+def collate_prompts(rows: list[dict], pad_token_id: int,
+                    max_prompt_length: int | None = None) -> DataProto:
+    """Stack dataset items into a DataProto with LEFT-padded prompts.
+
+    Tensors (all long, [B, P]): ``input_ids``, ``attention_mask``, ``position_ids`` (the count of
+    real tokens before each position: ``cumsum(mask) - 1`` clipped at 0). P is
+    ``max_prompt_length`` when given (fixed shapes), else the longest prompt of the batch.
+    Non-tensors: ``raw_prompt``, ``ground_truth``, ``data_source``, ``extra_info``, ``index``.
+    """
+    if not rows:
+        raise ValueError("collate_prompts got an empty batch")
+    longest = max(len(r["input_ids"]) for r in rows)
+    width = longest if max_prompt_length is None else max_prompt_length
+    if longest > width:
+        raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_length={width}")
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids = row["input_ids"]
+        if ids:
+            input_ids[b, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[b, width - len(ids):] = 1
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    non_tensors = {key: [row[key] for row in rows]
+                   for key in ("raw_prompt", "ground_truth", "data_source", "extra_info", "index")}
+    return DataProto.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": attention_mask,
+                 "position_ids": position_ids},
+        non_tensors=non_tensors, meta_info={})
