@@ -15,8 +15,8 @@ A reward file is an ordinary script (see ``reward_fns/``). Two calling conventio
   each input has ``response``, ``response_length``, ``ground_truth``, ``data_source`` and
   ``extra_info``; each output has an ``overall`` key plus any extra keys to log.
 
-The file's own directory is put on ``sys.path`` while it is imported, so a reward file can import
-its sibling helper modules, exactly as when it is run as a script.
+The file's own directory is appended to ``sys.path``, so a reward file can import its sibling
+helper modules (``from my_helpers import ...``) as when it is run as a script.
 
 ``RewardFunction`` is picklable: it carries only the path, the function name and the kind, and
 imports the file again, lazily, in whichever process first calls it (the reward worker processes).
@@ -60,10 +60,13 @@ def _import_file(path: Path) -> ModuleType:
     if spec is None or spec.loader is None:
         raise RewardLoadError(f"cannot import reward file {path}: not a Python source file")
     module = importlib.util.module_from_spec(spec)
-    # Sibling imports: the file's directory is importable, as when running it as a script.
+    # Sibling imports: the file's directory becomes importable. It goes to the END of sys.path:
+    # in front it would let reward_fns/math.py shadow the standard library's math module in this
+    # process and in every process it spawns (the price: a helper named like an installed module
+    # loses to it -- name your helpers distinctly).
     directory = str(path.parent)
     if directory not in sys.path:
-        sys.path.insert(0, directory)
+        sys.path.append(directory)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)

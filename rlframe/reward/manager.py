@@ -374,7 +374,7 @@ class RewardManager:
         for t, task in enumerate(tasks):
             try:
                 outcomes[t] = ("ok", _call_reward(self.fns[task.spec_index], task.payload))
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 outcomes[t] = ("error", _format_exception(exc))
                 if self.fail_fast:
                     break
