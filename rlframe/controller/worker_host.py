@@ -1,0 +1,105 @@
+"""The Ray actor that hosts the worker objects of one rank.
+
+Worker classes are plain Python classes: they know nothing about Ray and can be built in one
+process for debugging. ``_WorkerHost`` is the only Ray actor class. For its bundle it
+
+1. records rank, world size and where it runs (node IP, hostname, pid);
+2. sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and calls
+   ``torch.distributed.init_process_group`` once, before any worker object exists;
+3. builds one object per role (several roles in one process = the hybrid engine);
+4. runs ``execute(role, method, *args, **kwargs)``, turning any exception into a WorkerError that
+   names this rank and carries the formatted traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any
+
+import ray
+import torch
+
+from rlframe.controller.errors import WorkerError
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _select_cuda_device() -> None:
+    """Bind this process to its GPU. Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPUs."""
+    gpu_ids = ray.get_gpu_ids()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpu_ids and visible and len(visible.split(",")) == len(gpu_ids):
+        torch.cuda.set_device(0)
+    elif gpu_ids:
+        torch.cuda.set_device(int(gpu_ids[0]))
+
+
+class WorkerHost:
+    """Plain version of the host; ``_WorkerHost`` below is its Ray actor class."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int, num_cpus: float):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.local_world_size = local_world_size
+        self.roles: dict[str, Any] = {}
+        self.node_ip = ray.util.get_node_ip_address()
+        self.hostname = socket.gethostname()
+        self.pid = os.getpid()
+        torch.set_num_threads(max(1, int(num_cpus)))
+
+    def info(self) -> dict:
+        """Where this rank runs; rank 0 also offers a free port for the process group."""
+        info = {"rank": self.rank, "node_ip": self.node_ip, "hostname": self.hostname, "pid": self.pid}
+        if self.rank == 0:
+            info["master_port"] = find_free_port()
+        return info
+
+    def init_roles(self, master_addr: str, master_port: int, backend: str | None,
+                   roles: dict[str, tuple[type, dict]], timeout_s: float | None) -> None:
+        """Join the process group, then build one object per role (all ranks run this together)."""
+        current = "<init_process_group>"
+        try:
+            os.environ.update(
+                RANK=str(self.rank),
+                WORLD_SIZE=str(self.world_size),
+                LOCAL_RANK=str(self.local_rank),
+                LOCAL_WORLD_SIZE=str(self.local_world_size),
+                MASTER_ADDR=master_addr,
+                MASTER_PORT=str(master_port),
+            )
+            if backend is not None and not torch.distributed.is_initialized():
+                if backend == "nccl":
+                    _select_cuda_device()
+                kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+                torch.distributed.init_process_group(
+                    backend, rank=self.rank, world_size=self.world_size, **kwargs
+                )
+            for current, (cls, kwargs) in roles.items():
+                self.roles[current] = cls(**kwargs)
+        except Exception as error:
+            raise self._error(error, current, "__init__") from None
+
+    def execute(self, _role: str, _method: str, /, *args, **kwargs) -> Any:
+        """Call ``roles[_role]._method(*args, **kwargs)``; failures become a WorkerError."""
+        try:
+            return getattr(self.roles[_role], _method)(*args, **kwargs)
+        except Exception as error:
+            raise self._error(error, _role, _method) from None
+
+    def _error(self, error: Exception, role: str, method: str) -> WorkerError:
+        return WorkerError(
+            f"{type(error).__name__}: {error}",
+            role=role, rank=self.rank, node_ip=self.node_ip, hostname=self.hostname, pid=self.pid,
+            method=method, remote_traceback=traceback.format_exc(),
+        )
+
+
+_WorkerHost = ray.remote(WorkerHost)
