@@ -207,8 +207,16 @@ class WorkerGroup:
     def _start(self) -> None:
         """Learn where each rank runs, then init the process group and build the roles everywhere."""
         timeout = self.default_timeout_s
-        infos = self._submit("<host>", "info", [(r, h.info.remote()) for r, h in enumerate(self._hosts)],
-                             list, timeout).result()
+        try:
+            infos = self._submit("<host>", "info", [(r, h.info.remote()) for r, h in enumerate(self._hosts)],
+                                 list, timeout).result()
+        except WorkerTimeout as error:
+            error.summary += (
+                "\nThe actors did not start in time. If the pool's bundles are already taken by another "
+                "WorkerGroup, colocate the roles in one group instead (roles={...}); otherwise check "
+                "`ray status` for pending actors."
+            )
+            raise
         for info in infos:
             self._rank_infos[info["rank"]] = RankInfo(info["rank"], info["node_ip"], info["hostname"], info["pid"])
         master_addr, master_port = infos[0]["node_ip"], infos[0]["master_port"]

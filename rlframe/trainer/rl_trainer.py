@@ -1,0 +1,241 @@
+"""The driver: the RL dataflow as a plain loop over named primitives on worker groups.
+
+    for step in steps:
+        batch  = next prompts
+        batch  = batch.union(actor_rollout.generate_sequences(batch))   # n samples per prompt
+        batch  = score(batch)                                           # user reward functions
+        batch  = batch.union(actor_rollout.compute_log_prob(batch))
+        batch  = batch.union(ref.compute_ref_log_prob(batch))           # when KL is used
+        batch  = compute_advantage(batch)                               # pure function, here
+        actor_rollout.update_actor(batch)
+        actor_rollout.sync_weights()                                    # new weights -> engines
+
+Workers compute; this file decides what to compute.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from rlframe.algos import AdvantageConfig, get_advantage_estimator
+from rlframe.config import RLConfig, to_container
+from rlframe.controller import ResourcePool, WorkerGroup
+from rlframe.data.dataset import RLDataset, collate_prompts
+from rlframe.data.sampler import StatefulSampler
+from rlframe.protocol import DataProto
+from rlframe.reward.manager import RewardManager, RewardSpec
+from rlframe.trainer.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+def compute_advantage(batch: DataProto, cfg: RLConfig) -> DataProto:
+    """Advantages and returns from token-level rewards, by the configured estimator."""
+    estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+    advantages, returns = estimator(
+        batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"],
+        config=AdvantageConfig(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                               norm_by_std=cfg.algorithm.norm_adv_by_std),
+        values=batch.batch["values"] if "values" in batch else None)
+    batch.batch["advantages"] = advantages
+    batch.batch["returns"] = returns
+    return batch
+
+
+def place_scores_on_last_token(scores: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
+    """An outcome reward becomes a token-level reward on the last generated token."""
+    token_scores = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    token_scores[torch.arange(len(last)), last] = torch.as_tensor(scores, dtype=torch.float32)
+    return token_scores * (response_mask.sum(-1, keepdim=True) > 0)
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
+                 run_dir: Path):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.run_dir = run_dir
+        self.phase_times: dict[str, float] = {}
+        data = cfg.data
+        dataset_kwargs = dict(prompt_key=data.prompt_key, answer_key=data.answer_key,
+                              max_prompt_length=data.max_prompt_length, overlong=data.overlong, bad_rows=data.bad_rows)
+        self.train_set = RLDataset(train_files, tokenizer, **dataset_kwargs)
+        self.val_set = RLDataset(val_files, tokenizer, **dataset_kwargs) if val_files else None
+        self.sampler = StatefulSampler(len(self.train_set), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        self.batches = self.sampler.forever()
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.rewards = RewardManager(
+            [RewardSpec(path=f.path, name=f.name, weight=f.weight, data_sources=f.data_sources) for f in cfg.reward.functions],
+            num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, batch_timeout_s=cfg.reward.batch_timeout_s,
+            fallback_score=cfg.reward.fallback_score, fail_fast=cfg.reward.fail_fast)
+        self.tracker = Tracker(run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name, cfg.trainer.experiment_name,
+                               to_container(cfg))
+        self._start_workers()
+
+    # ------------------------------------------------------------------ workers
+    def _start_workers(self) -> None:
+        from rlframe.workers.fsdp_workers import ActorRolloutWorker, RefWorker
+
+        cfg = self.cfg
+        world = cfg.actor.world_size
+        total_cpus = ray.cluster_resources().get("CPU", 1)
+        cpus = cfg.trainer.cpus_per_worker or max(total_cpus / world, 1) if cfg.trainer.device != "cuda" else 1
+        gpus = 1 if torch.cuda.is_available() and cfg.trainer.device != "cpu" else 0
+        self.pool = ResourcePool([world], cpus_per_bundle=cpus, gpus_per_bundle=gpus, name="colocated")
+        worker_cfg = to_container(cfg)
+        roles = {"actor_rollout": (ActorRolloutWorker, {"cfg": worker_cfg, "model_path": self.model_path})}
+        if cfg.algorithm.use_kl_loss:
+            roles["ref"] = (RefWorker, {"cfg": worker_cfg, "model_path": self.model_path})
+        with self.timed("init_workers"):
+            self.workers = WorkerGroup(self.pool, roles, backend="nccl" if gpus else "gloo", name="rlframe",
+                                       default_timeout_s=cfg.trainer.timeouts.init)
+        self.actor_rollout = self.workers.role("actor_rollout")
+        self.ref = self.workers.role("ref") if "ref" in roles else None
+        info = self.actor_rollout.describe()
+        print(f"workers: {world} x ActorRollout{'+Ref' if self.ref else ''} "
+              f"(engine={info[0]['engine']}, device={info[0]['device']}, dtype={info[0]['dtype']}, "
+              f"sharded={info[0]['sharded']}) in {self.phase_times['init_workers']:.1f}s", flush=True)
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.phase_times[phase] = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        cfg = self.cfg
+        timeouts = cfg.trainer.timeouts
+        first_val = self.validate() if cfg.trainer.val_before_train and self.val_set else {}
+        if first_val:
+            self.tracker.log(0, first_val)
+        for step in range(1, cfg.trainer.total_steps + 1):
+            step_start = time.perf_counter()
+            self.phase_times = {}
+            batch = self.next_prompts()
+            batch.meta_info["step"] = step
+            prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+            prompts = prompts.repeat(cfg.rollout.n, interleave=True)
+            batch = batch.repeat(cfg.rollout.n, interleave=True)
+
+            with self.timed("rollout"):
+                batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=timeouts.rollout))
+            with self.timed("reward"):
+                batch, reward_metrics = self.score(batch)
+            with self.timed("old_log_prob"):
+                batch = batch.union(self.actor_rollout.compute_log_prob(batch, _timeout=timeouts.log_prob))
+            if self.ref is not None:
+                with self.timed("ref_log_prob"):
+                    batch = batch.union(self.ref.compute_ref_log_prob(batch, _timeout=timeouts.log_prob))
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            with self.timed("advantage"):
+                batch = compute_advantage(batch, cfg)
+            with self.timed("update"):
+                update = self.actor_rollout.update_actor(batch, _timeout=timeouts.update)
+            with self.timed("weight_sync"):
+                sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync)[0]
+
+            metrics = {**reward_metrics, **update.meta_info["metrics"], **batch_metrics(batch)}
+            metrics["weight_sync/seconds"] = sync["timing/weight_sync_s"]
+            metrics.update({f"timing/{k}": v for k, v in self.phase_times.items()})
+            metrics["timing/step"] = time.perf_counter() - step_start
+            metrics["perf/generated_tokens_per_s"] = float(batch.batch["response_mask"].sum()) / max(
+                self.phase_times["rollout"], 1e-9)
+            if cfg.trainer.val_every and step % cfg.trainer.val_every == 0 and step != cfg.trainer.total_steps:
+                metrics.update(self.validate())
+            if step == cfg.trainer.total_steps and self.val_set:
+                metrics.update(self.validate())
+            self.tracker.log(step, metrics)
+            self.last_metrics = metrics
+        summary = {"run_dir": str(self.run_dir), "val_before": first_val, "val_after": {
+            k: v for k, v in self.last_metrics.items() if k.startswith("val/")}}
+        if cfg.trainer.export_hf:
+            export_dir = self.run_dir / "hf_model"
+            self.actor_rollout.save_hf(str(export_dir))
+            summary["hf_model"] = str(export_dir)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def next_prompts(self) -> DataProto:
+        indices = next(self.batches)
+        batch = collate_prompts([self.train_set[i] for i in indices], self.pad_token_id)
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in indices], dtype=object)
+        return batch
+
+    # ------------------------------------------------------------------ rewards
+    def decode_responses(self, batch: DataProto) -> list[str]:
+        responses, mask = batch.batch["responses"], batch.batch["response_mask"]
+        lengths = mask.sum(-1).long().tolist()
+        return self.tokenizer.batch_decode([r[:n].tolist() for r, n in zip(responses, lengths)],
+                                           skip_special_tokens=True)
+
+    def score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        texts = self.decode_responses(batch)
+        nt = batch.non_tensor_batch
+        result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]),
+                                    response_lengths=batch.batch["response_mask"].sum(-1).long().tolist())
+        batch.batch["token_level_scores"] = place_scores_on_last_token(result.scores, batch.batch["response_mask"])
+        metrics = dict(result.metrics)
+        metrics["critic/score/mean"] = float(np.mean(result.scores))
+        if "acc" in result.extras:
+            metrics["critic/accuracy"] = float(np.nanmean(result.extras["acc"].astype(float)))
+        return batch, metrics
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Greedy generation on the held-out split; mean reward and share of exactly correct answers."""
+        start = time.perf_counter()
+        n = min(len(self.val_set), self.cfg.data.val_max_samples)
+        batch = collate_prompts([self.val_set[i] for i in range(n)], self.pad_token_id)
+        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        prompts.meta_info["validate"] = True
+        batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=self.cfg.trainer.timeouts.rollout))
+        texts = self.decode_responses(batch)
+        nt = batch.non_tensor_batch
+        result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]))
+        accuracy = (result.extras["acc"].astype(float) if "acc" in result.extras else (result.scores >= 1.0))
+        self.write_samples("validation", texts[:8], list(nt["ground_truth"][:8]), result.scores[:8])
+        return {"val/reward_mean": float(np.mean(result.scores)), "val/accuracy": float(np.nanmean(accuracy)),
+                "val/response_length": float(batch.batch["response_mask"].sum(-1).mean()),
+                "timing/validation": time.perf_counter() - start}
+
+    def write_samples(self, kind: str, texts: list[str], truths: list, scores) -> None:
+        with open(self.run_dir / f"{kind}_samples.jsonl", "a") as f:
+            for text, truth, score in zip(texts, truths, scores):
+                f.write(json.dumps({"response": text, "ground_truth": str(truth), "score": float(score)}) + "\n")
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.tracker.close()
+        self.workers.shutdown()
+
+
+def batch_metrics(batch: DataProto) -> dict[str, float]:
+    """Per-step statistics of the rollout batch, incl. the engine/trainer log-prob agreement."""
+    mask = batch.batch["response_mask"]
+    lengths = mask.sum(-1)
+    max_len = mask.size(1)
+    metrics = {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= max_len).float().mean()),
+        "critic/advantages/mean": float((batch.batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+        "actor/entropy_old": float((batch.batch["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
+    }
+    if "rollout_log_probs" in batch:
+        diff = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs() * mask
+        metrics["rollout/logprob_abs_diff"] = float(diff.sum() / mask.sum().clamp(min=1))
+        metrics["rollout/logprob_abs_diff_max"] = float(diff.max())
+    return metrics

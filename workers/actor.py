@@ -1,0 +1,219 @@
+"""The policy trainer inside an actor worker: log-probs and PPO-style updates on one rank.
+
+`PolicyModel` owns one (possibly FSDP-sharded) HF causal LM. With an optimizer it is the actor;
+without, it is the frozen reference policy. All arithmetic of the losses lives in `rlframe.algos`;
+this module only moves micro-batches through the model and the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlframe.algos import PolicyLossConfig, agg_loss, get_policy_loss, kl_penalty
+from rlframe.device import DeviceProfile
+from rlframe.protocol import DataProto
+from rlframe.workers.model import build_causal_lm, forward_response_log_probs, needs_sharding, shard_model
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+@dataclass
+class UpdateSettings:
+    """What `PolicyModel.update` needs from the config (plain fields: workers never see the trainer)."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    mini_batch_size: int = 8  # sequences per optimiser step, on this rank
+    micro_batch_size: int = 4  # sequences per forward/backward
+    epochs: int = 1
+    shuffle: bool = True
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    max_consecutive_skips: int = 3
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_reduce_sum(value: float) -> float:
+    if _world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+class PolicyModel:
+    def __init__(self, model_path: str, profile: DeviceProfile, *, train: UpdateSettings | None = None,
+                 gradient_checkpointing: bool = False, offload_params: bool = False,
+                 offload_optimizer: bool = False, trust_remote_code: bool = False):
+        self.profile = profile
+        self.device = torch.device(profile.device)
+        # fp32 master weights; on GPU, FSDP's mixed precision computes in bf16.
+        master_dtype = torch.float32 if (train is not None or not profile.is_gpu) else profile.dtype
+        self.model = build_causal_lm(model_path, profile, gradient_checkpointing=gradient_checkpointing and train is not None,
+                                     trust_remote_code=trust_remote_code, dtype=master_dtype)
+        if profile.is_gpu and not offload_params:
+            self.model.to(self.device)
+        self.sharded = needs_sharding(profile)
+        if self.sharded:
+            shard_model(self.model, profile, offload_params=offload_params)
+        self.train_settings = train
+        self.offload_optimizer = offload_optimizer and profile.is_gpu
+        self.optimizer_steps = 0
+        self.consecutive_skips = 0
+        if train is None:
+            self.model.eval()
+            self.model.requires_grad_(False)
+            self.optimizer = None
+        else:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
+                                               weight_decay=train.weight_decay)
+            warmup = max(train.warmup_steps, 0)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+
+    # ------------------------------------------------------------------ log-probs
+    def _model_inputs(self, micro: DataProto) -> dict[str, torch.Tensor]:
+        return {k: micro.batch[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}
+
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int, temperature: float = 1.0,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        was_training = self.model.training
+        self.model.eval()
+        response_width = data.batch["responses"].size(1)
+        log_probs, entropies = [], []
+        for micro in data.split(micro_batch_size):
+            lp, ent = forward_response_log_probs(self.model, **self._model_inputs(micro), response_width=response_width,
+                                                 temperature=temperature, with_entropy=with_entropy)
+            log_probs.append(lp.cpu())
+            if ent is not None:
+                entropies.append(ent.cpu())
+        self.model.train(was_training)
+        return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+
+    # ------------------------------------------------------------------ update
+    def update(self, data: DataProto, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
+        """PPO-style update: for each epoch and mini-batch, accumulate micro-batch gradients, clip, step.
+
+        Loss normalisers (tokens, sequences) are counted over the whole mini-batch on every rank, so
+        the summed micro-batch losses equal the loss of the global mini-batch; FSDP averages
+        gradients over ranks, so each rank scales its loss by the world size to get the sum.
+        """
+        cfg = self.train_settings
+        assert cfg is not None and self.optimizer is not None, "update() on a model built without train settings"
+        loss_fn = get_policy_loss(cfg.policy_loss)
+        loss_cfg = PolicyLossConfig(clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                                    clip_ratio_c=cfg.clip_ratio_c)
+        world = _world_size()
+        response_width = data.batch["responses"].size(1)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def record(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+
+        start = time.perf_counter()
+        tokens_trained = 0
+        for epoch in range(cfg.epochs):
+            for mini in data.mini_batches(cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed * 1000 + epoch):
+                mask = mini.batch["response_mask"]
+                agg = {"mode": cfg.loss_agg_mode,
+                       "num_tokens": _all_reduce_sum(float(mask.sum())),
+                       "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())),
+                       "horizon": response_width}
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.split(cfg.micro_batch_size):
+                    micro_mask = micro.batch["response_mask"].to(self.device)
+                    tokens_trained += int(micro.batch["attention_mask"].sum())
+                    log_prob, entropy = forward_response_log_probs(
+                        self.model, **self._model_inputs(micro), response_width=response_width,
+                        temperature=temperature, with_entropy=cfg.entropy_coeff != 0)
+                    pg_loss, pg_metrics = loss_fn(micro.batch["old_log_probs"].to(self.device), log_prob,
+                                                  micro.batch["advantages"].to(self.device), micro_mask,
+                                                  config=loss_cfg, agg=agg)
+                    loss = pg_loss
+                    if cfg.use_kl_loss:
+                        kl = kl_penalty(log_prob, micro.batch["ref_log_prob"].to(self.device), cfg.kl_loss_type)
+                        kl_loss = agg_loss(kl, micro_mask, **agg)
+                        loss = loss + cfg.kl_loss_coef * kl_loss
+                        record("actor/kl_loss", float(kl_loss))
+                    if entropy is not None:
+                        entropy_loss = agg_loss(entropy, micro_mask, **agg)
+                        loss = loss - cfg.entropy_coeff * entropy_loss
+                        record("actor/entropy", float(entropy_loss))
+                    (loss * world).backward()
+                    record("actor/pg_loss", float(pg_loss))
+                    for key, value in pg_metrics.items():
+                        record(f"actor/{key}", float(value))
+                grad_norm = self._clip_and_step(cfg.grad_clip)
+                record("actor/grad_norm", grad_norm)
+        metrics = {k: sums[k] / counts[k] for k in sums}
+        # Loss terms were computed against global normalisers: summing over micro-batches and
+        # ranks gives the mini-batch loss; the per-step figure is the mean over mini-batches.
+        n_minis = max(counts.get("actor/grad_norm", 1), 1)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            if key in sums:
+                metrics[key] = _all_reduce_sum(sums[key]) / n_minis
+        for key in list(metrics):
+            if key not in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+                metrics[key] = _all_reduce_sum(metrics[key]) / world
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/skipped_updates"] = float(self.consecutive_skips)
+        metrics["perf/train_tokens_per_s"] = _all_reduce_sum(tokens_trained) / max(time.perf_counter() - start, 1e-9)
+        return metrics
+
+    def _clip_and_step(self, max_norm: float) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm):
+            # Skip the update rather than poison the weights; stop after too many in a row.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.train_settings.max_consecutive_skips:
+                raise FloatingPointError(
+                    f"gradient norm was {grad_norm} for {self.consecutive_skips} optimiser steps in a row "
+                    f"(optimiser step {self.optimizer_steps}). Fix: lower actor.optim.lr or check the data/rewards.")
+            return grad_norm
+        self.consecutive_skips = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        return grad_norm
+
+    # ------------------------------------------------------------------ offload (GPU)
+    def offload_optimizer_state(self) -> None:
+        if self.offload_optimizer and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+
+    def load_optimizer_state(self) -> None:
+        if self.offload_optimizer and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, self.device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)

@@ -1,0 +1,72 @@
+"""Rollout with HF `generate`: the fallback engine when vLLM is not installed.
+
+The engine keeps its own unsharded copy of the policy (generation calls the model a different
+number of times on each rank, which a sharded model cannot do), refreshed by `load_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from rlframe.device import DeviceProfile
+from rlframe.protocol import DataProto
+from rlframe.workers.model import build_causal_lm
+from rlframe.workers.rollout.base import SamplingSettings, build_rollout_batch
+
+
+class HFRollout:
+    def __init__(self, model_path: str, profile: DeviceProfile, *, eos_token_ids: list[int], pad_token_id: int,
+                 batch_size: int = 64, trust_remote_code: bool = False):
+        self.profile = profile
+        self.model = build_causal_lm(model_path, profile, dtype=profile.dtype, trust_remote_code=trust_remote_code)
+        self.model.config.use_cache = True
+        self.model.to(profile.device).eval().requires_grad_(False)
+        self.eos_token_ids = eos_token_ids
+        self.pad_token_id = pad_token_id
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        params = self.model.state_dict()
+        loaded = 0
+        for name, tensor in weights:
+            if name in params:
+                params[name].copy_(tensor)
+                loaded += 1
+        return loaded
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:
+        responses, log_probs = [], []
+        for part in prompts.split(self.batch_size):
+            r, lp = self._generate_part(part, sampling)
+            responses += r
+            log_probs += lp
+        return build_rollout_batch(prompts, responses, log_probs, sampling.max_new_tokens, self.pad_token_id)
+
+    def _generate_part(self, part: DataProto, sampling: SamplingSettings) -> tuple[list, list]:
+        device = self.profile.device
+        input_ids = part.batch["input_ids"].to(device)
+        attention_mask = part.batch["attention_mask"].to(device)
+        kwargs = dict(do_sample=not sampling.greedy, max_new_tokens=sampling.max_new_tokens,
+                      eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                      output_logits=True, return_dict_in_generate=True)
+        if not sampling.greedy:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k if sampling.top_k > 0 else None)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        new_tokens = out.sequences[:, input_ids.size(1):]
+        # log-probs of the sampled tokens under the temperature-scaled distribution (what the trainer computes)
+        logits = torch.stack(out.logits, dim=1).float()
+        if not sampling.greedy and sampling.temperature != 1.0:
+            logits = logits / sampling.temperature
+        token_log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        responses, log_probs = [], []
+        eos = set(self.eos_token_ids)
+        for tokens, lps in zip(new_tokens.tolist(), token_log_probs.tolist()):
+            length = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+            responses.append(tokens[:length])
+            log_probs.append(lps[:length])
+        return responses, log_probs

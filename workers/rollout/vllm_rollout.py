@@ -1,0 +1,90 @@
+"""Rollout with vLLM, colocated with the trainer in the same process (the hybrid engine).
+
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that weight sync is a
+direct call into its model runner: the trainer streams `(name, tensor)` pairs, the engine reloads
+them, and its prefix cache is reset (a cached prefix computed with old weights would be stale).
+On GPU the engine sleeps while the trainer trains (weights and KV cache freed) and wakes for
+generation; the CPU backend has no sleep mode.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+from rlframe.device import DeviceProfile
+from rlframe.protocol import DataProto
+from rlframe.workers.rollout.base import SamplingSettings, build_rollout_batch, unpadded_prompts
+
+
+def _reload_weights(worker, weights):  # runs inside vLLM's worker (same process)
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    return len(weights)
+
+
+class VLLMRollout:
+    def __init__(self, model_path: str, profile: DeviceProfile, *, max_model_len: int, seed: int,
+                 pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: int = 1,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 max_num_batched_tokens: int = 4096, enable_sleep_mode: bool = True, enforce_eager: bool = True,
+                 trust_remote_code: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        from vllm import LLM
+
+        self.profile = profile
+        self.pad_token_id = pad_token_id
+        self.sleep_enabled = enable_sleep_mode and profile.sleep_mode
+        kwargs = dict(
+            model=model_path, dtype=str(profile.dtype).removeprefix("torch."), seed=seed,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+            enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
+            skip_tokenizer_init=False,
+        )
+        if profile.is_gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        self.llm = LLM(**kwargs)
+        self.asleep = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        weights = list(weights)
+        if self.asleep:
+            self.wake_up(tags=["weights"])
+        self.llm.collective_rpc(_reload_weights, args=(weights,))
+        self.llm.reset_prefix_cache()
+        return len(weights)
+
+    def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:
+        from vllm import SamplingParams
+
+        if self.asleep:
+            self.wake_up()
+        params = SamplingParams(
+            n=1, max_tokens=sampling.max_new_tokens, logprobs=0,
+            temperature=sampling.temperature, top_p=sampling.top_p if not sampling.greedy else 1.0,
+            top_k=sampling.top_k if not sampling.greedy else -1,
+        )
+        requests = [{"prompt_token_ids": ids} for ids in unpadded_prompts(prompts)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        responses, log_probs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            responses.append(tokens)
+            log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+        return build_rollout_batch(prompts, responses, log_probs, sampling.max_new_tokens, self.pad_token_id)
+
+    # GPU memory hand-over between trainer and engine
+    def sleep(self) -> None:
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.sleep_enabled and self.asleep:
+            self.llm.wake_up(tags=tags)
+            if tags is None or "kv_cache" in tags:
+                self.asleep = False
