@@ -55,6 +55,10 @@ class WorkerHost:
         self.pid = os.getpid()
         torch.set_num_threads(max(1, int(num_cpus)))
 
+    def __repr__(self) -> str:
+        # Ray prefixes the actor's log lines with this.
+        return f"WorkerHost(rank={self.rank}/{self.world_size}, roles={list(self.roles)})"
+
     def info(self) -> dict:
         """Where this rank runs; rank 0 also offers a free port for the process group."""
         info = {"rank": self.rank, "node_ip": self.node_ip, "hostname": self.hostname, "pid": self.pid}
