@@ -159,7 +159,7 @@ class WorkerGroup:
             after ``torch.distributed.init_process_group``. Classes must be importable (or
             picklable) in the actor processes.
         backend: process group backend ("gloo" on CPU, "nccl" on GPU); None skips the process group.
-        name: shown in actor names and logs.
+        name: shown in the actors' log prefixes and in errors.
         env: environment variables for every actor (Ray runtime_env env_vars).
         default_timeout_s: deadline for calls that do not pass ``_timeout`` (None = wait forever);
             also the deadline of startup and of torch.distributed collectives.
@@ -200,7 +200,7 @@ class WorkerGroup:
             if runtime_env:
                 options["runtime_env"] = runtime_env
             hosts.append(_WorkerHost.options(**options).remote(
-                rank, self.world_size, local_rank, local_world_size, self.pool.cpus_per_bundle
+                rank, self.world_size, local_rank, local_world_size, self.pool.cpus_per_bundle, self.name
             ))
         return hosts
 

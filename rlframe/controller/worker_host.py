@@ -44,7 +44,9 @@ def _select_cuda_device() -> None:
 class WorkerHost:
     """Plain version of the host; ``_WorkerHost`` below is its Ray actor class."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int, num_cpus: float):
+    def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int, num_cpus: float,
+                 group_name: str = "rlframe"):
+        self.group_name = group_name
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -57,7 +59,7 @@ class WorkerHost:
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this.
-        return f"WorkerHost(rank={self.rank}/{self.world_size}, roles={list(self.roles)})"
+        return f"WorkerHost({self.group_name}, rank={self.rank}/{self.world_size}, roles={list(self.roles)})"
 
     def info(self) -> dict:
         """Where this rank runs; rank 0 also offers a free port for the process group."""
