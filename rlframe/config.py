@@ -83,6 +83,10 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     log_prob_micro_batch_size_per_device: int = 16
+    # With one epoch and one mini-batch per step the update is exactly on-policy: the old log-probs
+    # equal the first forward's, so the separate compute_log_prob pass is skipped (and the
+    # engine/trainer log-prob agreement is measured inside update_actor instead).
+    skip_old_log_prob_when_on_policy: bool = True
     offload_params: bool = False  # GPU only: keep params on CPU between phases
     offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases
 

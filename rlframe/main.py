@@ -90,7 +90,7 @@ def init_ray(cfg: RLConfig) -> None:
     if ray.is_initialized():
         return
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kv_cache_gib), "RAY_DEDUP_LOGS": "0"}
+                "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env={"env_vars": env_vars})

@@ -132,6 +132,14 @@ class PolicyModel:
             sums[key] = sums.get(key, 0.0) + value
             counts[key] = counts.get(key, 0) + 1
 
+        # On-policy shortcut: with one epoch and one mini-batch, every forward below runs before the
+        # only optimiser step, so the current log-probs ARE the old log-probs (no extra pass needed).
+        on_policy = "old_log_probs" not in data.batch.keys()
+        if on_policy and (cfg.epochs != 1 or cfg.mini_batch_size < len(data)):
+            raise ValueError("update without old_log_probs is only exact for one epoch and one mini-batch "
+                             f"(epochs={cfg.epochs}, mini-batch {cfg.mini_batch_size} < batch {len(data)}). "
+                             "Fix: compute old log-probs first (actor.skip_old_log_prob_when_on_policy=false).")
+        drift_sum = drift_tokens = 0.0
         start = time.perf_counter()
         tokens_trained = 0
         for epoch in range(cfg.epochs):
@@ -148,7 +156,15 @@ class PolicyModel:
                     log_prob, entropy = forward_response_log_probs(
                         self.model, **self._model_inputs(micro), response_width=response_width,
                         temperature=temperature, with_entropy=cfg.entropy_coeff != 0)
-                    pg_loss, pg_metrics = loss_fn(micro.batch["old_log_probs"].to(self.device), log_prob,
+                    if on_policy:
+                        old_log_prob = log_prob.detach()
+                        if "rollout_log_probs" in micro.batch.keys():
+                            drift = (micro.batch["rollout_log_probs"].to(self.device) - old_log_prob).abs() * micro_mask
+                            drift_sum += float(drift.sum())
+                            drift_tokens += float(micro_mask.sum())
+                    else:
+                        old_log_prob = micro.batch["old_log_probs"].to(self.device)
+                    pg_loss, pg_metrics = loss_fn(old_log_prob, log_prob,
                                                   micro.batch["advantages"].to(self.device), micro_mask,
                                                   config=loss_cfg, agg=agg)
                     loss = pg_loss
@@ -177,6 +193,8 @@ class PolicyModel:
         for key in list(metrics):
             if key not in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
                 metrics[key] = _all_reduce_sum(metrics[key]) / world
+        if on_policy and drift_tokens:
+            metrics["rollout/logprob_abs_diff"] = _all_reduce_sum(drift_sum) / max(_all_reduce_sum(drift_tokens), 1.0)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/skipped_updates"] = float(self.consecutive_skips)
         metrics["perf/train_tokens_per_s"] = _all_reduce_sum(tokens_trained) / max(time.perf_counter() - start, 1e-9)

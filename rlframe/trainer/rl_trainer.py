@@ -82,6 +82,8 @@ class RLTrainer:
             fallback_score=cfg.reward.fallback_score, fail_fast=cfg.reward.fail_fast)
         self.tracker = Tracker(run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name, cfg.trainer.experiment_name,
                                to_container(cfg))
+        self.on_policy_update = (cfg.actor.skip_old_log_prob_when_on_policy and cfg.actor.ppo_epochs == 1
+                                 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size)
         self._start_workers()
 
     # ------------------------------------------------------------------ workers
@@ -134,8 +136,9 @@ class RLTrainer:
                 batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=timeouts.rollout))
             with self.timed("reward"):
                 batch, reward_metrics = self.score(batch)
-            with self.timed("old_log_prob"):
-                batch = batch.union(self.actor_rollout.compute_log_prob(batch, _timeout=timeouts.log_prob))
+            if not self.on_policy_update:
+                with self.timed("old_log_prob"):
+                    batch = batch.union(self.actor_rollout.compute_log_prob(batch, _timeout=timeouts.log_prob))
             if self.ref is not None:
                 with self.timed("ref_log_prob"):
                     batch = batch.union(self.ref.compute_ref_log_prob(batch, _timeout=timeouts.log_prob))
@@ -232,9 +235,10 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float((lengths >= max_len).float().mean()),
         "critic/advantages/mean": float((batch.batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
-        "actor/entropy_old": float((batch.batch["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
     }
-    if "rollout_log_probs" in batch:
+    if "entropy" in batch:
+        metrics["actor/entropy_old"] = float((batch.batch["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+    if "rollout_log_probs" in batch and "old_log_probs" in batch:
         diff = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs() * mask
         metrics["rollout/logprob_abs_diff"] = float(diff.sum() / mask.sum().clamp(min=1))
         metrics["rollout/logprob_abs_diff_max"] = float(diff.max())

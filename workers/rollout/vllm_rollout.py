@@ -31,6 +31,9 @@ class VLLMRollout:
                  max_num_batched_tokens: int = 4096, enable_sleep_mode: bool = True, enforce_eager: bool = True,
                  trust_remote_code: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM's CPU backend pins OpenMP threads and freezes torch.set_num_threads; in a process that
+        # also trains, that halves the trainer's throughput (measured: 531 vs 209 forward tok/s).
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM
 
