@@ -1,0 +1,553 @@
+"""Run untrusted Python programs (generated code) in a locked-down child process.
+
+    sandbox = Sandbox(max_concurrency=4)
+    result = sandbox.run("print(int(input()) * 2)", stdin="21\\n", expected_stdout="42")
+    result.verdict      # "passed" | "failed" | "timeout" | "error"
+    results = sandbox.run_many([{"code": ..., "stdin": ..., "expected_stdout": ...}, ...])
+
+Generated code is hostile by assumption. Every execution gets a process of its own, started through
+a small launcher (this very file run as a script, ``python -I -S sandbox.py --launch CONFIG``) that
+sets up the isolation and then ``execve``s the interpreter on the program. The layers, each listed
+in ``Sandbox.isolation`` as active or not, because which ones the kernel grants depends on the
+machine:
+
+* resource limits (always): ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address space: a 50 GB
+  allocation raises MemoryError), ``RLIMIT_NPROC`` (processes: no fork bombs), ``RLIMIT_FSIZE``
+  (largest file it may write), ``RLIMIT_NOFILE``, ``RLIMIT_CORE=0``; plus a wall-clock deadline
+  enforced by the parent, which then SIGKILLs the whole process group;
+* ``uid`` (when the parent is root): the program runs as an unprivileged uid of its own
+  (``uid_base + pid * 256 + slot``: unique per concurrent execution, so that ``RLIMIT_NPROC`` -- which
+  counts processes per uid, and is not enforced for root at all -- is a per-execution budget, and so
+  that after the run every process of that uid can be killed, even one that escaped the process
+  group with ``setsid``). Falls back to ``nobody`` (65534) when such uids are not mapped;
+* ``netns``: its own network namespace (``unshare(CLONE_NEWNET)`` through libc; root, or an
+  unprivileged user namespace): no interface but a downed loopback, so ``connect(("127.0.0.1", p))``
+  fails with "Network is unreachable";
+* ``mountns`` (with ``uid``): its own mount namespace in which every mount is re-mounted read-only,
+  ``/tmp`` is a fresh empty tmpfs holding only the working directory (``/tmp/work``, the one
+  writable place), and ``/root`` and ``/home`` are hidden behind empty tmpfs (the interpreter's
+  own prefix is bound back read-only when it lives there);
+* ``audit_hook`` (the fallback when no namespace can be had, e.g. non-root without user
+  namespaces): a ``sys.addaudithook`` installed before the program runs refuses socket creation
+  and connection, ``ctypes``, process spawning and opening files for writing outside the working
+  directory. This is a Python-level guard only (native code can get around it); prefer a machine
+  where the namespaces work.
+
+Always: a fresh temporary working directory, removed afterwards; an empty environment (``PATH``,
+``HOME``, ``LANG`` only); the interpreter runs with ``-I -S`` (no site-packages, no user site, no
+``PYTHON*`` variables); stdout and stderr are captured up to ``max_output_bytes`` each (the rest is
+drained and dropped, ``truncated`` says so); stdin comes from a file.
+
+Verdicts: "timeout" (the wall clock or the CPU limit ran out), "failed" (non-zero exit, killed by a
+signal, or stdout differs from ``expected_stdout``), "passed" (exit 0 and the expected output, or no
+expected output given), "error" (the sandbox itself could not run the program: a broken launcher,
+not the program's fault).
+
+This file imports only the standard library: it is also the launcher, run with ``-I -S``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import sys
+
+LAUNCH_FLAG = "--launch"
+LAUNCH_ERROR_EXIT = 125  # the launcher's own failure (before the program started)
+WORKDIR_IN_SANDBOX = "/tmp/work"
+PROGRAM_NAME = "main.py"
+NOBODY = 65534
+DEFAULT_UID_BASE = 1_000_000_000  # + pid * 256 + slot; far above any real account
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_MOUNT_FLAG_NAMES = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+
+# The program is run by this bootstrap (``python -I -S -c BOOTSTRAP``), which installs the audit
+# hook first when that fallback is active. %(hook)s is replaced by the hook or by nothing.
+_AUDIT_HOOK = r'''
+import os as _os, sys as _sys
+def _rlframe_guard(event, args, _root=_os.getcwd(), _real=_os.path.realpath):
+    if event in ("socket.__new__", "socket.connect", "socket.bind", "socket.sendto",
+                 "socket.getaddrinfo", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
+                 "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                 "os.fork", "os.forkpty"):
+        raise PermissionError(f"sandbox: {event} is not allowed")
+    if event == "open" and isinstance(args[0], (str, bytes)):
+        mode, flags = args[1], args[2]
+        writing = (mode is not None and any(c in mode for c in "wax+")) or (flags & 3) != 0
+        path = args[0].decode() if isinstance(args[0], bytes) else args[0]
+        if writing and not (_real(path) + "/").startswith(_root + "/"):
+            raise PermissionError(f"sandbox: writing {path} (outside the working directory)")
+_sys.addaudithook(_rlframe_guard)
+del _rlframe_guard
+'''
+_BOOTSTRAP = r'''%(hook)s
+import sys
+sys.argv = [%(program)r]
+sys.path.insert(0, "")
+with open(%(program)r, "rb") as _f:
+    _code = compile(_f.read(), %(program)r, "exec")
+del _f
+exec(_code, {"__name__": "__main__", "__file__": %(program)r, "__builtins__": __builtins__})
+'''
+
+
+# ====================================================================== the launcher (child side)
+
+
+def _libc():
+    import ctypes
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def _unshare(flags: int) -> bool:
+    ctypes, libc = _libc()
+    return libc.unshare(ctypes.c_int(flags)) == 0
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+    ctypes, libc = _libc()
+    enc = (lambda s: None if s is None else str(s).encode())
+    if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount({source}, {target}, {fstype}, {flags:#x}): {os.strerror(err)}")
+
+
+def _mount_points() -> list[tuple[str, int]]:
+    """(mount point, flags to keep when re-mounting) of every mount, parents first."""
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            keep = 0
+            for option in fields[5].split(","):
+                keep |= _MOUNT_FLAG_NAMES.get(option, 0)
+            points.append((point, keep))
+    return points
+
+
+def _setup_mounts(workdir: str, prefixes: list[str]) -> None:
+    """A private mount tree: everything read-only, /tmp/work = the working directory (writable),
+    /root and /home hidden (the interpreter's prefix bound back in)."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    work_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    prefix_fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in prefixes}
+    for point, keep in _mount_points():
+        try:
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+        except OSError:
+            pass  # e.g. a mount shadowed by a later one; the uid drop still guards it
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    os.mkdir(WORKDIR_IN_SANDBOX, 0o755)
+    _mount(f"/proc/self/fd/{work_fd}", WORKDIR_IN_SANDBOX, None, MS_BIND)
+    _mount(None, WORKDIR_IN_SANDBOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)  # rw
+    _mount(None, "/tmp", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    for hidden in ("/root", "/home"):
+        if not os.path.isdir(hidden) or os.path.islink(hidden):
+            continue
+        _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+        for prefix, fd in prefix_fds.items():
+            if (prefix + "/").startswith(hidden + "/"):
+                os.makedirs(prefix, 0o755, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", prefix, None, MS_BIND | MS_REC)
+                _mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+        _mount(None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    for fd in [work_fd, *prefix_fds.values()]:
+        os.close(fd)
+
+
+def _set_limits(cfg: dict) -> None:
+    cpu = int(cfg["cpu_time_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at soft, SIGKILL at hard
+    resource.setrlimit(resource.RLIMIT_AS, (cfg["memory_bytes"], cfg["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["max_file_bytes"], cfg["max_file_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["max_open_files"], cfg["max_open_files"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc_limit"], cfg["nproc_limit"]))
+
+
+def _become_program(cfg: dict, workdir: str, new_pid_namespace: bool) -> None:
+    """Apply the limits, drop the uid and exec the interpreter on the program."""
+    if new_pid_namespace:
+        try:  # a /proc of our own: the program sees only its own processes
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        except OSError:
+            pass
+    _set_limits(cfg)
+    if cfg["uid"] is not None:
+        os.setgroups([])
+        os.setgid(cfg["gid"])
+        os.setuid(cfg["uid"])
+    if new_pid_namespace:  # set after setuid (which clears it): dies with the launcher
+        ctypes, libc = _libc()
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    os.chdir(workdir)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"}
+    bootstrap = _BOOTSTRAP % {"hook": _AUDIT_HOOK if cfg["audit_hook"] else "",
+                              "program": PROGRAM_NAME}
+    os.execve(cfg["python"], [cfg["python"], "-I", "-S", "-c", bootstrap], env)
+
+
+def _launch(cfg: dict) -> None:
+    """Set up the isolation, then run the program. Never returns.
+
+    With namespaces (root): unshare net + mount + pid namespaces, build the mount tree, fork the
+    program as pid 1 of the new pid namespace, wait for it and exit as it did. When that pid 1
+    exits (or is killed, or the launcher dies: PDEATHSIG), the kernel kills and reaps every
+    process left in the namespace -- no orphan, no zombie, even after ``setsid``.
+    """
+    try:
+        if cfg["netns"] and cfg["mountns"]:
+            if not _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID):
+                raise OSError("unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID) failed")
+            _setup_mounts(cfg["host_workdir"], cfg["hidden_prefixes"])
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _become_program(cfg, WORKDIR_IN_SANDBOX, new_pid_namespace=True)
+                except BaseException as exc:  # noqa: BLE001
+                    os.write(2, f"rlframe sandbox launcher failed: {type(exc).__name__}: "
+                                f"{exc}\n".encode())
+                    os._exit(LAUNCH_ERROR_EXIT)
+            _, status = os.waitpid(pid, 0)
+            if os.WIFSIGNALED(status):  # exit the way the program did
+                sig = os.WTERMSIG(status)
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        if cfg["netns"] and not _unshare(CLONE_NEWNET | (CLONE_NEWUSER if cfg["userns"] else 0)):
+            raise OSError("unshare(CLONE_NEWNET) failed")
+        _become_program(cfg, cfg["host_workdir"], new_pid_namespace=False)
+    except BaseException as exc:  # noqa: BLE001 -- report anything, then exit with our code
+        os.write(2, f"rlframe sandbox launcher failed: {type(exc).__name__}: {exc}\n".encode())
+        os._exit(LAUNCH_ERROR_EXIT)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == LAUNCH_FLAG:
+    _launch(json.loads(sys.argv[2]))
+
+
+# ====================================================================== the parent side
+
+import math  # noqa: E402 -- below the launcher so that the launcher path stays minimal
+import selectors  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
+
+PASSED, FAILED, TIMEOUT, ERROR = "passed", "failed", "timeout", "error"
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_time_s: float = 5.0
+    cpu_time_s: float = 5.0
+    memory_bytes: int = 1 << 30           # address space (RLIMIT_AS)
+    max_processes: int = 16               # RLIMIT_NPROC for the program's own uid
+    max_file_bytes: int = 16 << 20        # RLIMIT_FSIZE
+    max_open_files: int = 64
+    max_output_bytes: int = 64 << 10      # each of stdout and stderr
+
+
+@dataclass
+class SandboxResult:
+    verdict: str                  # "passed" | "failed" | "timeout" | "error"
+    stdout: str
+    stderr: str
+    exit_code: int | None         # negative: killed by that signal; None: no exit status
+    duration_s: float
+    truncated: bool = False       # stdout or stderr exceeded max_output_bytes
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == PASSED
+
+
+def outputs_match(actual: str, expected: str) -> bool:
+    """Compare program output the way judges usually do: trailing whitespace on each line and
+    trailing blank lines do not matter."""
+    def norm(text: str) -> list[str]:
+        lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+        while lines and not lines[-1]:
+            lines.pop()
+        return lines
+    return norm(actual) == norm(expected)
+
+
+def _uid_mapped(uid: int) -> bool:
+    try:
+        with open("/proc/self/uid_map") as f:
+            for line in f:
+                inside, _outside, count = map(int, line.split())
+                if inside <= uid < inside + count:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def _probe(flags: int) -> bool:
+    """Can a child process unshare these namespaces here? (Asked once, in a throwaway process.)"""
+    code = ("import ctypes,sys; l=ctypes.CDLL(None, use_errno=True); "
+            f"sys.exit(0 if l.unshare(ctypes.c_int({flags})) == 0 else 1)")
+    try:
+        return subprocess.run([sys.executable, "-I", "-S", "-c", code], timeout=30,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _processes_of_uid(uid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                for line in f:
+                    if line.startswith("State:") and line.split()[1] in ("Z", "X"):
+                        break  # dead already, waiting to be reaped
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:  # the real uid
+                            pids.append(int(name))
+                        break
+        except OSError:
+            continue  # gone meanwhile
+    return pids
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (the per-execution uid: it owns nothing else), until none
+    is left -- a fork bomb may still be forking while we look."""
+    for _ in range(50):
+        pids = _processes_of_uid(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+
+
+class Sandbox:
+    """Runs programs concurrently (up to ``max_concurrency``), each in its own locked-down process.
+
+    ``network``/``privileges`` choose the mechanisms: "auto" uses the strongest the machine allows;
+    ``network="hook"`` forces the audit-hook fallback (also used when no namespace is possible);
+    ``privileges="keep"`` keeps the caller's uid (no uid drop, no mount namespace).
+    """
+
+    def __init__(self, max_concurrency: int = 4, limits: SandboxLimits | None = None, *,
+                 network: str = "auto", privileges: str = "auto",
+                 uid_base: int = DEFAULT_UID_BASE):
+        if not 1 <= max_concurrency <= 256:
+            raise ValueError(f"max_concurrency must be in [1, 256], got {max_concurrency}")
+        if network not in ("auto", "hook") or privileges not in ("auto", "keep"):
+            raise ValueError("network must be 'auto' or 'hook'; privileges 'auto' or 'keep'")
+        self.max_concurrency = max_concurrency
+        self.limits = limits or SandboxLimits()
+        self._slots = list(range(max_concurrency))
+        self._slots_lock = threading.Lock()
+        self._slots_free = threading.Semaphore(max_concurrency)
+        self._launcher = os.path.abspath(__file__)
+        # The program's interpreter: the base installation, outside any virtualenv (-S anyway).
+        self._python = os.path.realpath(sys.executable)
+        root = os.geteuid() == 0
+        self._drop_uid = root and privileges == "auto"
+        highest = uid_base + (2 ** 22) * 256  # pid_max is at most 2**22
+        self._unique_uids = self._drop_uid and highest < 2 ** 32 - 1 and _uid_mapped(highest)
+        self._uid_base = uid_base
+        self._userns = False
+        if network == "hook":
+            self._netns = False
+        elif self._drop_uid:
+            self._netns = _probe(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
+        else:
+            self._netns = _probe(CLONE_NEWNET)
+            if not self._netns:
+                self._userns = self._netns = _probe(CLONE_NEWUSER | CLONE_NEWNET)
+        self._mountns = self._netns and self._drop_uid
+        self._audit_hook = not self._netns
+        # Interpreter directories a hidden /root or /home must expose again (read-only).
+        self._prefixes = sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
+        self.isolation = {
+            "rlimits": True,
+            "uid": (f"per-execution uid from {uid_base}" if self._unique_uids
+                    else "nobody (65534)" if self._drop_uid else False),
+            "netns": ("user+net namespace" if self._userns else self._netns),
+            "mountns": self._mountns,
+            "pidns": self._mountns,
+            "audit_hook": self._audit_hook,
+        }
+
+    # ---------------------------------------------------------------- running
+
+    def run(self, code: str, stdin: str = "", expected_stdout: str | None = None,
+            limits: SandboxLimits | None = None) -> SandboxResult:
+        """Run the Python program ``code`` with ``stdin``; blocks while all slots are busy."""
+        limits = limits or self.limits
+        self._slots_free.acquire()
+        with self._slots_lock:
+            slot = self._slots.pop()
+        try:
+            return self._run_in_slot(slot, code, stdin, expected_stdout, limits)
+        finally:
+            with self._slots_lock:
+                self._slots.append(slot)
+            self._slots_free.release()
+
+    def run_many(self, jobs: list[dict]) -> list[SandboxResult]:
+        """Run ``jobs`` (keyword dicts for ``run``) concurrently; results in the jobs' order."""
+        if len(jobs) <= 1:
+            return [self.run(**job) for job in jobs]
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(jobs))) as pool:
+            return list(pool.map(lambda job: self.run(**job), jobs))
+
+    def _uid_for(self, slot: int) -> int | None:
+        if not self._drop_uid:
+            return None
+        if self._unique_uids:
+            return self._uid_base + os.getpid() * 256 + slot
+        return NOBODY
+
+    def _nproc_limit(self, uid: int | None, limits: SandboxLimits) -> int:
+        if uid is not None and self._unique_uids:
+            return limits.max_processes
+        # Shared uid (nobody, or our own): the limit counts that uid's other processes too.
+        current = len(_processes_of_uid(os.getuid() if uid is None else uid))
+        return current + limits.max_processes
+
+    def _run_in_slot(self, slot: int, code: str, stdin: str, expected_stdout: str | None,
+                     limits: SandboxLimits) -> SandboxResult:
+        start = time.monotonic()
+        workdir = tempfile.mkdtemp(prefix="rlframe-sandbox-")
+        uid = self._uid_for(slot)
+        process = None
+        try:
+            with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8") as f:
+                f.write(code)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+                os.chmod(workdir, 0o700)
+            cfg = {"python": self._python, "host_workdir": workdir, "uid": uid, "gid": uid,
+                   "netns": self._netns, "userns": self._userns, "mountns": self._mountns,
+                   "audit_hook": self._audit_hook, "hidden_prefixes": self._prefixes,
+                   "cpu_time_s": max(1, math.ceil(limits.cpu_time_s)),
+                   "memory_bytes": int(limits.memory_bytes),
+                   "max_file_bytes": int(limits.max_file_bytes),
+                   "max_open_files": int(limits.max_open_files),
+                   "nproc_limit": self._nproc_limit(uid, limits)}
+            with tempfile.TemporaryFile() as stdin_file:  # a file: no pipe to keep fed
+                stdin_file.write(stdin.encode("utf-8", "replace"))
+                stdin_file.seek(0)
+                process = subprocess.Popen(
+                    [sys.executable, "-I", "-S", self._launcher, LAUNCH_FLAG, json.dumps(cfg)],
+                    stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    cwd=workdir, env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
+                    close_fds=True)
+            out, err, truncated, timed_out = self._collect(process, uid, limits)
+            exit_code = process.returncode
+        except OSError as exc:
+            return SandboxResult(ERROR, "", f"sandbox could not start the program: {exc}", None,
+                                 time.monotonic() - start)
+        finally:
+            if process is not None:
+                self._kill_all(process, uid)
+            shutil.rmtree(workdir, ignore_errors=True)
+        duration = time.monotonic() - start
+        stdout = out.decode("utf-8", "replace")
+        stderr = err.decode("utf-8", "replace")
+        if timed_out or exit_code in (-signal.SIGXCPU,):
+            verdict = TIMEOUT
+        elif exit_code == LAUNCH_ERROR_EXIT and "rlframe sandbox launcher failed" in stderr:
+            verdict = ERROR
+        elif exit_code != 0:
+            verdict = FAILED
+        elif expected_stdout is not None and not outputs_match(stdout, expected_stdout):
+            verdict = FAILED
+        else:
+            verdict = PASSED
+        return SandboxResult(verdict, stdout, stderr, exit_code, duration, truncated)
+
+    def _collect(self, process: subprocess.Popen, uid: int | None, limits: SandboxLimits):
+        """Read stdout/stderr (capped) until the program exits or the wall clock runs out."""
+        deadline = time.monotonic() + limits.wall_time_s
+        buffers = {process.stdout: bytearray(), process.stderr: bytearray()}
+        truncated = timed_out = False
+        selector = selectors.DefaultSelector()
+        for stream in buffers:
+            os.set_blocking(stream.fileno(), False)
+            selector.register(stream, selectors.EVENT_READ)
+        exited_at = None
+        try:
+            while selector.get_map():
+                now = time.monotonic()
+                if process.poll() is not None and exited_at is None:
+                    exited_at = now
+                    self._kill_all(process, uid)  # leftovers must not hold the pipes open
+                if exited_at is None and now >= deadline:
+                    timed_out = True
+                    self._kill_all(process, uid)
+                    exited_at = now
+                if exited_at is not None and now - exited_at > 1.0:
+                    break  # something still holds a pipe: stop reading
+                for key, _ in selector.select(timeout=0.05):
+                    try:
+                        chunk = os.read(key.fileobj.fileno(), 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                        continue
+                    buffer = buffers[key.fileobj]
+                    room = limits.max_output_bytes - len(buffer)
+                    if len(chunk) > room:
+                        truncated = True
+                    buffer += chunk[:max(room, 0)]
+            if process.poll() is None:
+                remaining = deadline - time.monotonic()
+                try:
+                    process.wait(timeout=max(remaining, 0.0))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    self._kill_all(process, uid)
+                    process.wait()
+        finally:
+            selector.close()
+            process.stdout.close()
+            process.stderr.close()
+        return bytes(buffers[process.stdout]), bytes(buffers[process.stderr]), truncated, timed_out
+
+    def _kill_all(self, process: subprocess.Popen, uid: int | None) -> None:
+        """SIGKILL the program's process group, and with a per-execution uid every process of
+        that uid (catches children that left the group with setsid)."""
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if uid is not None and self._unique_uids:
+            _kill_uid(uid)
+        if process.poll() is None:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def with_limits(self, **changes) -> SandboxLimits:
+        """A copy of this sandbox's limits with some fields changed (for ``run(limits=...)``)."""
+        return replace(self.limits, **changes)
