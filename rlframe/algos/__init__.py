@@ -22,8 +22,10 @@ from rlframe.algos.losses import (
     log_probs_from_logits,
     register_policy_loss,
 )
+from rlframe.algos.dapo import informative_groups, overlong_penalty
 from rlframe.algos.plugins import load_object_from_file, register_from_config
 from rlframe.algos.utils import masked_mean, masked_sum, masked_var, masked_whiten
+from rlframe.algos.value import compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -35,9 +37,11 @@ __all__ = [
     "PolicyLossConfig",
     "agg_loss",
     "build_kl_controller",
+    "compute_value_loss",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",
+    "informative_groups",
     "kl_penalty",
     "load_object_from_file",
     "log_probs_from_logits",
@@ -45,6 +49,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "register_advantage_estimator",
     "register_from_config",
     "register_policy_loss",
