@@ -1,0 +1,201 @@
+"""The code sandbox against hostile programs: each is contained, fails, and finishes in seconds."""
+
+import os
+import resource
+import socket
+import textwrap
+import threading
+import time
+
+import pytest
+
+from rlframe.reward.sandbox import Sandbox, SandboxLimits, outputs_match
+
+LIMITS = SandboxLimits(wall_time_s=3.0, cpu_time_s=2.0, memory_bytes=512 << 20, max_processes=8)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    return Sandbox(max_concurrency=2, limits=LIMITS)
+
+
+@pytest.fixture(scope="module")
+def hooked():
+    """The fallback path, forced: no namespaces, the audit hook refuses sockets and writes."""
+    return Sandbox(max_concurrency=2, limits=LIMITS, network="hook", privileges="keep")
+
+
+def run(sandbox, code, **kwargs):
+    start = time.monotonic()
+    result = sandbox.run(textwrap.dedent(code), **kwargs)
+    assert time.monotonic() - start < 10, "every execution must finish in seconds"
+    return result
+
+
+def test_isolation_report(sandbox, hooked):
+    print("active isolation:", sandbox.isolation)
+    assert sandbox.isolation["rlimits"]
+    assert sandbox.isolation["netns"] or sandbox.isolation["audit_hook"]
+    if os.geteuid() == 0:
+        assert sandbox.isolation["uid"]
+    assert hooked.isolation["audit_hook"] and not hooked.isolation["netns"]
+
+
+def test_well_behaved_program_passes(sandbox):
+    result = run(sandbox, "a, b = map(int, input().split())\nprint(a + b)", stdin="2 3\n",
+                 expected_stdout="5")
+    assert result.verdict == "passed", result.stderr
+    assert result.exit_code == 0 and result.stdout == "5\n" and result.duration_s < 5
+    assert run(sandbox, "print(4)", expected_stdout="5").verdict == "failed"
+    assert run(sandbox, "raise SystemExit(3)").exit_code == 3
+    assert run(sandbox, "1/0").verdict == "failed"
+    assert run(sandbox, "import json, math, itertools; print(math.comb(5, 2))",
+               expected_stdout="10\n\n").verdict == "passed"
+
+
+def test_program_may_use_its_own_directory(sandbox):
+    result = run(sandbox, """
+        open("notes.txt", "w").write("hello")
+        print(open("notes.txt").read())
+        """, expected_stdout="hello")
+    assert result.verdict == "passed", result.stderr
+
+
+def test_infinite_loop_times_out(sandbox):
+    result = run(sandbox, "while True:\n    pass")
+    assert result.verdict == "timeout" and not result.passed
+    assert result.duration_s < LIMITS.wall_time_s + 2
+
+
+def test_sleeping_program_times_out_on_the_wall_clock(sandbox):
+    result = run(sandbox, "import time\ntime.sleep(1000)")
+    assert result.verdict == "timeout"
+    assert LIMITS.wall_time_s - 0.5 < result.duration_s < LIMITS.wall_time_s + 2
+
+
+def test_fork_bomb_is_contained(sandbox):
+    before = len(os.listdir("/proc"))
+    result = run(sandbox, """
+        import os
+        while True:
+            os.fork()
+        """)
+    assert result.verdict in ("failed", "timeout") and not result.passed
+    time.sleep(0.2)
+    assert len(os.listdir("/proc")) < before + 20  # nothing left behind
+    # the next program in the same slot can still start and fork once
+    result = run(sandbox, "import os\npid = os.fork()\nif pid == 0: os._exit(0)\nos.wait()\nprint('ok')",
+                 expected_stdout="ok")
+    assert result.verdict == "passed", result.stderr
+
+
+def test_huge_allocation_fails(sandbox):
+    result = run(sandbox, "x = bytearray(50 * 2**30)\nprint('allocated')")
+    assert result.verdict == "failed"
+    assert "MemoryError" in result.stderr and "allocated" not in result.stdout
+
+
+@pytest.mark.parametrize("target", ["/tmp/escape_x", "/etc/escape_x", "../escape_x"])
+def test_writing_outside_its_directory_fails(sandbox, target):
+    result = run(sandbox, f"open({target!r}, 'w').write('x')\nprint('wrote')")
+    assert result.verdict == "failed", result.stdout
+    assert not os.path.exists("/tmp/escape_x") and not os.path.exists("/etc/escape_x")
+
+
+def test_file_size_limit(sandbox):
+    limits = sandbox.with_limits(max_file_bytes=1 << 20)
+    result = run(sandbox, "open('big', 'wb').write(b'x' * (8 << 20))\nprint('wrote')", limits=limits)
+    assert result.verdict == "failed" and "wrote" not in result.stdout
+
+
+@pytest.fixture
+def listening_port():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    accepted = []
+    server.settimeout(5)
+
+    def accept():
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], accepted
+    server.close()
+
+
+@pytest.mark.parametrize("which", ["sandbox", "hooked"])
+def test_no_network(request, which, listening_port):
+    port, accepted = listening_port
+    result = run(request.getfixturevalue(which), f"""
+        import socket
+        s = socket.create_connection(("127.0.0.1", {port}), timeout=2)
+        print("connected")
+        """)
+    assert result.verdict == "failed" and "connected" not in result.stdout
+    assert not accepted
+
+
+def test_parent_environment_is_not_visible(sandbox, monkeypatch):
+    monkeypatch.setenv("RLFRAME_TEST_SECRET", "hunter2")
+    result = run(sandbox, """
+        import os
+        assert "RLFRAME_TEST_SECRET" not in os.environ, "env leaked"
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    assert b"hunter2" not in open(f"/proc/{pid}/environ", "rb").read(), pid
+                except OSError:
+                    pass
+        print(sorted(os.environ))
+        """)
+    assert result.verdict == "passed", result.stderr
+    assert "hunter2" not in result.stdout
+    assert eval(result.stdout) == ["HOME", "LANG", "PATH"]  # our own output: a list literal
+    # the read itself is refused outright: the secret is in this process's environment
+    result = run(sandbox, f"print(open('/proc/{os.getpid()}/environ', 'rb').read())")
+    assert result.verdict == "failed" and "hunter2" not in result.stdout
+
+
+def test_hook_fallback_refuses_writes_outside(hooked):
+    assert run(hooked, "open('/tmp/escape_x', 'w')").verdict == "failed"
+    assert not os.path.exists("/tmp/escape_x")
+    assert run(hooked, "open('ok.txt', 'w').write('1')\nprint(1)", expected_stdout="1").passed
+
+
+def test_output_is_capped(sandbox):
+    limits = sandbox.with_limits(max_output_bytes=1000)
+    result = run(sandbox, "print('y' * 10**7)", limits=limits)
+    assert result.truncated and len(result.stdout) == 1000
+
+
+def test_workdir_is_removed_and_fresh(sandbox, tmp_path):
+    import tempfile
+    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("rlframe-sandbox-")}
+    first = run(sandbox, "import os\nopen('left.txt', 'w').write('1')\nprint(os.listdir('.'))")
+    second = run(sandbox, "import os\nprint(os.listdir('.'))")
+    assert "left.txt" in first.stdout and "left.txt" not in second.stdout
+    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("rlframe-sandbox-")}
+    assert after <= before
+
+
+def test_concurrent_runs(sandbox):
+    start = time.monotonic()
+    results = sandbox.run_many([{"code": "import time\ntime.sleep(1)\nprint(%d)" % i,
+                                 "expected_stdout": str(i)} for i in range(4)])
+    assert [r.verdict for r in results] == ["passed"] * 4
+    assert time.monotonic() - start < 3.8  # 4 x 1 s on 2 slots: about 2 s, not 4
+
+
+def test_host_unaffected():
+    """The host's own limits are untouched by the child's rlimits."""
+    assert resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY
+
+
+def test_outputs_match():
+    assert outputs_match("1\n2  \n\n", "1\n2")
+    assert outputs_match("a\r\nb\r\n", "a\nb\n")
+    assert not outputs_match("1 2", "12")
