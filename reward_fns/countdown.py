@@ -80,7 +80,8 @@ def evaluate(expression):
             if INTEGER_STEPS and (value.denominator != 1 or value <= 0):
                 raise InvalidExpression(f"intermediate result {value} is not a positive integer")
             return value
-        raise InvalidExpression(f"{type(node).__name__} is not allowed (only numbers, + - * / "
+        what = type(node.op if isinstance(node, ast.BinOp) else node).__name__
+        raise InvalidExpression(f"{what} is not allowed (only numbers, + - * / "
                                 f"and parentheses)")
 
     return walk(tree.body), used
