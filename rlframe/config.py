@@ -48,6 +48,37 @@ class DataConfig:
 
 
 @dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive (Ziegler et al.: steer the measured KL towards target_kl)
+    kl_coef: float = 0.001  # beta (the initial beta for adaptive)
+    target_kl: float = 0.1
+    horizon: float = 10000.0
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO overlong reward shaping: a linear penalty over the last `len` tokens before the limit."""
+
+    enable: bool = False
+    len: int = 16  # tokens before data.max_response_length where the penalty starts
+    penalty_factor: float = 1.0  # the penalty at the limit
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards all agree; generate more until the batch is full."""
+
+    enable: bool = False
+    max_attempts: int = 10  # rollout rounds per step before giving up with an error
+
+
+@dataclass
+class PluginConfig:
+    path: Optional[str] = None  # a Python file
+    name: Optional[str] = None  # the function in it; also the name it is registered under
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
@@ -56,6 +87,19 @@ class AlgorithmConfig:
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 / low_var_kl | abs | mse
+    whiten_advantages: bool = False  # whiten the advantages over the batch (usual for PPO with gae)
+    # KL inside the reward (classic PPO-RLHF): token_level_rewards = scores - beta * kl(old policy, ref),
+    # beta from kl_ctrl. The reference model is started only when use_kl_loss or use_kl_in_reward.
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"  # the per-token KL estimator for the reward penalty (see rlframe/algos/kl.py)
+    kl_ctrl: KLControlConfig = field(default_factory=lambda: KLControlConfig())
+    overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig())
+    # Your own estimator / policy loss from a Python file: {path: my_algos.py, name: my_fn}. It is
+    # registered under `name` before any worker starts; select it with adv_estimator=<name>
+    # (or actor.policy_loss=<name>). See examples/custom_estimator/.
+    custom_estimator: PluginConfig = field(default_factory=lambda: PluginConfig())
+    custom_policy_loss: PluginConfig = field(default_factory=lambda: PluginConfig())
 
 
 @dataclass
@@ -89,6 +133,20 @@ class ActorConfig:
     skip_old_log_prob_when_on_policy: bool = True
     offload_params: bool = False  # GPU only: keep params on CPU between phases
     offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO (used when algorithm.adv_estimator=gae), colocated with the actor."""
+
+    model_path: Optional[str] = None  # default: the actor's model.path (the value head starts at zero)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: Optional[int] = None  # prompts per optimiser step; default actor.ppo_mini_batch_size
+    ppo_micro_batch_size_per_device: int = 4  # sequences per forward/backward
+    forward_micro_batch_size_per_device: int = 16  # sequences per forward in compute_values
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5  # value clipping around the old values; 0 disables
+    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
@@ -152,6 +210,20 @@ class TrainerConfig:
     ray_address: Optional[str] = None
     export_hf: bool = True
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    critic_warmup: int = 0  # PPO: the first N steps train only the critic (the actor is not updated)
+    # Checkpoints (<run_dir>/checkpoints/step_N, see rlframe/trainer/checkpoint.py): every
+    # `save_every` steps and at the last step; 0 = none at all.
+    save_every: int = 0
+    max_checkpoints_to_keep: int = 2  # older complete checkpoints are deleted; 0 = keep all
+    # auto: continue from the newest complete checkpoint in run_dir (a fresh start when there is
+    # none) | disable: always start fresh | a path to one checkpoint folder (step_N).
+    resume: str = "auto"
+    # A dead or stuck worker: tear the worker groups down, start new ones and resume from the
+    # latest checkpoint, at most this many times per run (0 = stop with the error).
+    max_restarts: int = 0
+    # Non-finite loss or gradient norm: the optimiser step is skipped; after this many in a row
+    # the run stops naming the step and micro-batch.
+    max_consecutive_skipped_updates: int = 3
 
 
 @dataclass
@@ -160,6 +232,7 @@ class RLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -223,10 +296,71 @@ def validate_config(cfg: RLConfig) -> None:
     for i, fn in enumerate(cfg.reward.functions):
         need(Path(fn.path).exists(), f"reward.functions[{i}].path",
              f"'{fn.path}' does not exist. Fix: point it at your reward script (e.g. reward_fns/math.py).")
+    trainer = cfg.trainer
+    need(trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = no checkpoints)")
+    need(trainer.max_checkpoints_to_keep >= 0, "trainer.max_checkpoints_to_keep", "must be >= 0 (0 = keep all)")
+    need(trainer.resume in ("auto", "disable") or Path(trainer.resume).is_dir(), "trainer.resume",
+         f"'{trainer.resume}' is neither auto, disable nor an existing checkpoint folder. "
+         "Fix: trainer.resume=auto or trainer.resume=<run_dir>/checkpoints/step_N")
+    need(trainer.max_restarts >= 0, "trainer.max_restarts", "must be >= 0")
+    need(trainer.max_restarts == 0 or trainer.save_every > 0, "trainer.max_restarts",
+         "restarts resume from a checkpoint. Fix: set trainer.save_every >= 1 too")
+    need(trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates", "must be >= 1")
+    _validate_algorithm(cfg, need)
     unknown_loggers = set(cfg.trainer.loggers) - {"console", "jsonl", "wandb", "tensorboard"}
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _validate_algorithm(cfg: RLConfig, need) -> None:
+    """PPO/critic, KL-in-reward, DAPO and plugin keys (see rlframe/algos)."""
+    from rlframe.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES
+    from rlframe.algos.kl import KL_KINDS
+
+    algo, critic, rollout = cfg.algorithm, cfg.critic, cfg.rollout
+    for key, plugin in (("algorithm.custom_estimator", algo.custom_estimator),
+                        ("algorithm.custom_policy_loss", algo.custom_policy_loss)):
+        need((plugin.path is None) == (plugin.name is None), key, "set both path and name (or neither)")
+        need(plugin.path is None or Path(plugin.path).is_file(), f"{key}.path", f"'{plugin.path}' is not a file")
+    estimators = set(ADVANTAGE_ESTIMATORS) | {algo.custom_estimator.name}
+    need(algo.adv_estimator in estimators, "algorithm.adv_estimator",
+         f"'{algo.adv_estimator}' is not a registered estimator ({', '.join(sorted(ADVANTAGE_ESTIMATORS))}). "
+         "Fix: pick one, or load your own with algorithm.custom_estimator={path: ..., name: ...}")
+    need(cfg.actor.policy_loss in set(POLICY_LOSSES) | {algo.custom_policy_loss.name}, "actor.policy_loss",
+         f"'{cfg.actor.policy_loss}' is not a registered policy loss ({', '.join(sorted(POLICY_LOSSES))}). "
+         "Fix: pick one, or load your own with algorithm.custom_policy_loss={path: ..., name: ...}")
+    need(algo.kl_penalty in KL_KINDS, "algorithm.kl_penalty", f"'{algo.kl_penalty}' is not one of {', '.join(KL_KINDS)}")
+    need(algo.kl_ctrl.type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type", "must be fixed or adaptive")
+    need(algo.kl_ctrl.type != "adaptive" or (algo.kl_ctrl.target_kl > 0 and algo.kl_ctrl.horizon > 0),
+         "algorithm.kl_ctrl", "the adaptive controller needs target_kl > 0 and horizon > 0")
+    if algo.overlong_buffer.enable:
+        need(0 < algo.overlong_buffer.len <= cfg.data.max_response_length, "algorithm.overlong_buffer.len",
+             f"must be in 1..data.max_response_length ({cfg.data.max_response_length})")
+    if algo.dynamic_sampling.enable:
+        need(algo.dynamic_sampling.max_attempts >= 1, "algorithm.dynamic_sampling.max_attempts", "must be >= 1")
+        need(rollout.n >= 2, "rollout.n", "dynamic sampling drops groups whose rewards agree: set rollout.n >= 2")
+    if algo.adv_estimator == "gae":
+        need(critic.loss_agg_mode in AGG_MODES, "critic.loss_agg_mode", f"'{critic.loss_agg_mode}' is not one of {AGG_MODES}")
+        need(critic.model_path is None or _resolvable(critic.model_path), "critic.model_path",
+             f"'{critic.model_path}' is neither a folder, an embedded model nor a hub id")
+        mini = critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
+        need(mini >= 1 and cfg.data.train_batch_size % mini == 0, "critic.ppo_mini_batch_size",
+             f"{mini} does not divide data.train_batch_size={cfg.data.train_batch_size}")
+        per_rank = mini * rollout.n // max(cfg.actor.world_size, 1)
+        need(critic.ppo_micro_batch_size_per_device >= 1 and per_rank % max(critic.ppo_micro_batch_size_per_device, 1) == 0,
+             "critic.ppo_micro_batch_size_per_device",
+             f"each rank gets {per_rank} sequences per critic mini-batch. Fix: pick a divisor of {per_rank}.")
+        need(critic.cliprange_value >= 0, "critic.cliprange_value", "must be >= 0 (0 disables clipping)")
+    need(cfg.trainer.critic_warmup >= 0, "trainer.critic_warmup", "must be >= 0")
+    need(cfg.trainer.critic_warmup == 0 or algo.adv_estimator == "gae", "trainer.critic_warmup",
+         "only PPO with a critic (algorithm.adv_estimator=gae) has a critic to warm up. Fix: trainer.critic_warmup=0")
+
+
+def _resolvable(path: str) -> bool:
+    from rlframe.models.provision import is_resolvable
+
+    return is_resolvable(path)
 
 
 def to_container(cfg: Any) -> dict:

@@ -16,10 +16,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from rlframe.algos.plugins import register_configured_plugins
 from rlframe.controller import Dispatch, register
 from rlframe.device import detect_profile
 from rlframe.protocol import DataProto
 from rlframe.workers.actor import PolicyModel, UpdateSettings
+from rlframe.workers.checkpointing import load_policy, save_policy
+from rlframe.workers.faults import install_stack_dump_handler, maybe_inject_fault
 from rlframe.workers.model import iter_full_weights
 from rlframe.workers.rollout.base import SamplingSettings
 
@@ -71,6 +74,7 @@ class ActorRolloutWorker:
         actor, algo, rollout, data = cfg["actor"], cfg["algorithm"], cfg["rollout"], cfg["data"]
         world = _world_size()
         _seed_everything(cfg["trainer"]["seed"] + _rank())
+        install_stack_dump_handler()  # SIGUSR1 -> stacks, for the driver's deadline reports
         self.settings = UpdateSettings(
             lr=actor["optim"]["lr"], weight_decay=actor["optim"]["weight_decay"], betas=tuple(actor["optim"]["betas"]),
             warmup_steps=actor["optim"]["warmup_steps"], grad_clip=actor["optim"]["grad_clip"],
@@ -79,8 +83,10 @@ class ActorRolloutWorker:
             shuffle=actor["shuffle"], policy_loss=actor["policy_loss"], clip_ratio_low=actor["clip_ratio_low"],
             clip_ratio_high=actor["clip_ratio_high"], clip_ratio_c=actor["clip_ratio_c"],
             loss_agg_mode=actor["loss_agg_mode"], entropy_coeff=actor["entropy_coeff"],
-            use_kl_loss=algo["use_kl_loss"], kl_loss_coef=algo["kl_loss_coef"], kl_loss_type=algo["kl_loss_type"])
+            use_kl_loss=algo["use_kl_loss"], kl_loss_coef=algo["kl_loss_coef"], kl_loss_type=algo["kl_loss_type"],
+            max_consecutive_skips=cfg["trainer"].get("max_consecutive_skipped_updates", 3))
         trust = cfg["model"]["trust_remote_code"]
+        register_configured_plugins(algo)  # a user's policy loss file (algorithm.custom_policy_loss)
         self.actor = PolicyModel(model_path, self.profile, train=self.settings,
                                  gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
                                  offload_params=actor["offload_params"], offload_optimizer=actor["offload_optimizer"],
@@ -114,10 +120,12 @@ class ActorRolloutWorker:
         meta = prompts.meta_info
         rollout = self.cfg["rollout"]
         validate = meta.get("validate", False)
+        greedy = meta.get("greedy", False)  # one greedy sample per prompt (ReMax's baseline)
+        temperature = 0.0 if greedy else rollout["val_temperature"] if validate else rollout["temperature"]
+        plain = validate or greedy
         sampling = SamplingSettings(
-            max_new_tokens=self.cfg["data"]["max_response_length"],
-            temperature=rollout["val_temperature"] if validate else rollout["temperature"],
-            top_p=1.0 if validate else rollout["top_p"], top_k=-1 if validate else rollout["top_k"])
+            max_new_tokens=self.cfg["data"]["max_response_length"], temperature=temperature,
+            top_p=1.0 if plain else rollout["top_p"], top_k=-1 if plain else rollout["top_k"])
         start = time.perf_counter()
         out = self.rollout.generate(prompts, sampling)
         elapsed = time.perf_counter() - start
@@ -135,6 +143,7 @@ class ActorRolloutWorker:
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update on this rank's share; returns the (globally reduced) metrics in meta_info."""
+        maybe_inject_fault("update_actor", int(data.meta_info.get("step", 0)), _rank())
         self.rollout_sleep()
         self.actor.load_optimizer_state()
         metrics = self.actor.update(data, temperature=self.cfg["rollout"]["temperature"],
@@ -148,6 +157,25 @@ class ActorRolloutWorker:
         start = time.perf_counter()
         n = self.rollout.load_weights(iter_full_weights(self.actor.model, dtype=self.profile.dtype))
         return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/tensors": n}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, out_dir: str) -> dict:
+        """Weights, optimizer, scheduler, counters and RNG states into `out_dir` (a collective)."""
+        start = time.perf_counter()
+        self.actor.load_optimizer_state()
+        save_policy(self.actor, out_dir, model_path=self.model_path)
+        self.actor.offload_optimizer_state()
+        return {"seconds": time.perf_counter() - start}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, in_dir: str) -> dict:
+        """Restore `save_checkpoint`'s state, then stream the weights into the rollout engine."""
+        start = time.perf_counter()
+        self.actor.load_optimizer_state()
+        info = load_policy(self.actor, in_dir)
+        self.actor.offload_optimizer_state()
+        self.rollout.load_weights(iter_full_weights(self.actor.model, dtype=self.profile.dtype))
+        return {**info, "seconds": time.perf_counter() - start}
 
     def rollout_sleep(self) -> None:
         sleep = getattr(self.rollout, "sleep", None)

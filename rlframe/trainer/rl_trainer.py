@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,12 +27,14 @@ import ray
 import torch
 
 from rlframe.algos import AdvantageConfig, get_advantage_estimator
+from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
-from rlframe.controller import ResourcePool, WorkerGroup
+from rlframe.controller import ResourcePool, WorkerError, WorkerGroup
 from rlframe.data.dataset import RLDataset, collate_prompts
 from rlframe.data.sampler import StatefulSampler
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import RewardManager, RewardSpec
+from rlframe.trainer import algorithm_steps, checkpoint, fault
 from rlframe.trainer.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ def compute_advantage(batch: DataProto, cfg: RLConfig) -> DataProto:
     advantages, returns = estimator(
         batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"],
         config=AdvantageConfig(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                               norm_by_std=cfg.algorithm.norm_adv_by_std),
-        values=batch.batch["values"] if "values" in batch else None)
+                               norm_by_std=cfg.algorithm.norm_adv_by_std, whiten=cfg.algorithm.whiten_advantages),
+        values=batch.batch["values"] if "values" in batch else None,
+        baseline_rewards=batch.batch["baseline_rewards"] if "baseline_rewards" in batch else None)
     batch.batch["advantages"] = advantages
     batch.batch["returns"] = returns
     return batch
@@ -80,10 +82,18 @@ class RLTrainer:
             [RewardSpec(path=f.path, name=f.name, weight=f.weight, data_sources=f.data_sources) for f in cfg.reward.functions],
             num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, batch_timeout_s=cfg.reward.batch_timeout_s,
             fallback_score=cfg.reward.fallback_score, fail_fast=cfg.reward.fail_fast)
+        # Where to start (trainer.resume): a checkpoint of this run; metrics logged after it are dropped.
+        self.resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run_dir)
+        if self.resume_from is not None:
+            checkpoint.trim_metrics_log(run_dir, self.resume_from.step)
+        self.step, self.first_val, self.last_metrics = 0, {}, {}
         self.tracker = Tracker(run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name, cfg.trainer.experiment_name,
                                to_container(cfg))
         self.on_policy_update = (cfg.actor.skip_old_log_prob_when_on_policy and cfg.actor.ppo_epochs == 1
-                                 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size)
+                                 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+                                 and not cfg.algorithm.use_kl_in_reward)  # the reward KL needs old log-probs
+        register_configured_plugins(to_container(cfg)["algorithm"])  # user estimator/loss files, before workers
+        self.kl_ctrl = algorithm_steps.make_kl_controller(cfg)
         self._start_workers()
 
     # ------------------------------------------------------------------ workers
@@ -98,60 +108,86 @@ class RLTrainer:
         self.pool = ResourcePool([world], cpus_per_bundle=cpus, gpus_per_bundle=gpus, name="colocated")
         worker_cfg = to_container(cfg)
         roles = {"actor_rollout": (ActorRolloutWorker, {"cfg": worker_cfg, "model_path": self.model_path})}
-        if cfg.algorithm.use_kl_loss:
+        if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             roles["ref"] = (RefWorker, {"cfg": worker_cfg, "model_path": self.model_path})
+        if cfg.algorithm.adv_estimator == "gae":
+            from rlframe.models.provision import resolve_model_path
+            from rlframe.workers.critic import CriticWorker
+
+            critic_path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else self.model_path
+            roles["critic"] = (CriticWorker, {"cfg": worker_cfg, "model_path": critic_path})
         with self.timed("init_workers"):
             self.workers = WorkerGroup(self.pool, roles, backend="nccl" if gpus else "gloo", name="rlframe",
                                        default_timeout_s=cfg.trainer.timeouts.init)
         self.actor_rollout = self.workers.role("actor_rollout")
         self.ref = self.workers.role("ref") if "ref" in roles else None
+        self.critic = self.workers.role("critic") if "critic" in roles else None
         info = self.actor_rollout.describe()
-        print(f"workers: {world} x ActorRollout{'+Ref' if self.ref else ''} "
+        print(f"workers: {world} x ActorRollout{'+Ref' if self.ref else ''}{'+Critic' if self.critic else ''} "
               f"(engine={info[0]['engine']}, device={info[0]['device']}, dtype={info[0]['dtype']}, "
               f"sharded={info[0]['sharded']}) in {self.phase_times['init_workers']:.1f}s", flush=True)
 
     @contextmanager
     def timed(self, phase: str):
         start = time.perf_counter()
-        yield
-        self.phase_times[phase] = time.perf_counter() - start
+        try:
+            yield
+        except WorkerError as error:  # name the step and phase; a timeout also dumps the stuck stacks
+            raise fault.annotate(error, phase, self.step, getattr(self, "workers", None))
+        self.phase_times[phase] = self.phase_times.get(phase, 0.0) + time.perf_counter() - start
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
+        """Train from `resume_from` (or step 0); a dead or stuck worker restarts up to max_restarts times."""
+        restarts = 0
+        while True:
+            try:
+                return self.train(start_step=checkpoint.restore_trainer(self, self.resume_from))
+            except fault.RESTARTABLE as error:
+                if restarts >= self.cfg.trainer.max_restarts:
+                    raise
+                restarts += 1
+                print(f"restart {restarts}/{self.cfg.trainer.max_restarts} after: {error.summary}", flush=True)
+                self.workers.shutdown()
+                self.pool.remove()
+                self._start_workers()
+                self.resume_from = checkpoint.find_latest_complete(self.run_dir)
+
+    def train(self, start_step: int) -> dict:
         cfg = self.cfg
         timeouts = cfg.trainer.timeouts
-        first_val = self.validate() if cfg.trainer.val_before_train and self.val_set else {}
-        if first_val:
-            self.tracker.log(0, first_val)
-        for step in range(1, cfg.trainer.total_steps + 1):
+        if start_step == 0 and cfg.trainer.val_before_train and self.val_set:
+            self.first_val = self.validate()
+            self.tracker.log(0, self.first_val)
+        for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+            self.step = step
             step_start = time.perf_counter()
             self.phase_times = {}
-            batch = self.next_prompts()
-            batch.meta_info["step"] = step
-            prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
-            prompts = prompts.repeat(cfg.rollout.n, interleave=True)
-            batch = batch.repeat(cfg.rollout.n, interleave=True)
-
-            with self.timed("rollout"):
-                batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=timeouts.rollout))
-            with self.timed("reward"):
-                batch, reward_metrics = self.score(batch)
+            batch, reward_metrics = self.rollout_batch(step)
             if not self.on_policy_update:
                 with self.timed("old_log_prob"):
                     batch = batch.union(self.actor_rollout.compute_log_prob(batch, _timeout=timeouts.log_prob))
             if self.ref is not None:
                 with self.timed("ref_log_prob"):
                     batch = batch.union(self.ref.compute_ref_log_prob(batch, _timeout=timeouts.log_prob))
-            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            if self.critic is not None:
+                with self.timed("values"):
+                    batch = batch.union(self.critic.compute_values(batch, _timeout=timeouts.log_prob))
+            kl_metrics = algorithm_steps.token_level_rewards(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
             with self.timed("advantage"):
                 batch = compute_advantage(batch, cfg)
-            with self.timed("update"):
-                update = self.actor_rollout.update_actor(batch, _timeout=timeouts.update)
-            with self.timed("weight_sync"):
-                sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync)[0]
+            train_metrics = {}
+            if self.critic is not None:
+                with self.timed("update_critic"):
+                    train_metrics.update(self.critic.update_critic(batch, _timeout=timeouts.update).meta_info["metrics"])
+            if step > cfg.trainer.critic_warmup:  # PPO: the first critic_warmup steps train only the critic
+                with self.timed("update"):
+                    train_metrics.update(self.actor_rollout.update_actor(batch, _timeout=timeouts.update).meta_info["metrics"])
+                with self.timed("weight_sync"):
+                    sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync)[0]
+                train_metrics["weight_sync/seconds"] = sync["timing/weight_sync_s"]
 
-            metrics = {**reward_metrics, **update.meta_info["metrics"], **batch_metrics(batch)}
-            metrics["weight_sync/seconds"] = sync["timing/weight_sync_s"]
+            metrics = {**reward_metrics, **kl_metrics, **train_metrics, **batch_metrics(batch)}
             metrics.update({f"timing/{k}": v for k, v in self.phase_times.items()})
             metrics["timing/step"] = time.perf_counter() - step_start
             metrics["perf/generated_tokens_per_s"] = float(batch.batch["response_mask"].sum()) / max(
@@ -162,7 +198,9 @@ class RLTrainer:
                 metrics.update(self.validate())
             self.tracker.log(step, metrics)
             self.last_metrics = metrics
-        summary = {"run_dir": str(self.run_dir), "val_before": first_val, "val_after": {
+            if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
+                checkpoint.save_trainer_checkpoint(self, step)
+        summary = {"run_dir": str(self.run_dir), "val_before": self.first_val, "val_after": {
             k: v for k, v in self.last_metrics.items() if k.startswith("val/")}}
         if cfg.trainer.export_hf:
             export_dir = self.run_dir / "hf_model"
@@ -171,10 +209,68 @@ class RLTrainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def rollout_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        """A scored batch of train_batch_size prompts x n samples.
+
+        With dynamic sampling (DAPO) only groups whose rewards differ are kept, and more prompts are
+        drawn and generated until the batch is full; the reward metrics are those of the first round.
+        """
+        sampling = self.cfg.algorithm.dynamic_sampling
+        if not sampling.enable:
+            return self.generate_and_score(step)
+        wanted = self.cfg.data.train_batch_size * self.cfg.rollout.n
+        kept, first_metrics = [], None
+        for attempt in range(1, sampling.max_attempts + 1):
+            batch, metrics = self.generate_and_score(step)
+            first_metrics = first_metrics or metrics
+            kept.append(algorithm_steps.keep_informative(batch))
+            if sum(len(part) for part in kept) >= wanted:
+                batch = algorithm_steps.concat_rollouts(kept, self.pad_token_id)[:wanted]
+                batch.meta_info["step"] = step
+                return batch, {**first_metrics, "dynamic_sampling/rounds": float(attempt),
+                               "dynamic_sampling/kept_frac": float(len(kept[0]) / wanted)}
+        raise RuntimeError(
+            f"dynamic sampling: after {sampling.max_attempts} rollout rounds only "
+            f"{sum(len(p) for p in kept) // self.cfg.rollout.n} of {self.cfg.data.train_batch_size} prompts had "
+            "rewards that differ within their group (all others were all-correct or all-wrong). Fix: raise "
+            "algorithm.dynamic_sampling.max_attempts, raise rollout.n or rollout.temperature, use easier/harder "
+            "data, or turn it off with algorithm.dynamic_sampling.enable=false.")
+
+    def generate_and_score(self, step: int) -> tuple[DataProto, dict[str, float]]:
+        """Next prompts -> n samples each -> scores (+ ReMax's greedy baseline, DAPO's overlong shaping)."""
+        cfg, timeouts = self.cfg, self.cfg.trainer.timeouts
+        batch = self.next_prompts()
+        batch.meta_info["step"] = step
+        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        baseline = self.greedy_baseline(batch, prompts) if cfg.algorithm.adv_estimator == "remax" else None
+        prompts = prompts.repeat(cfg.rollout.n, interleave=True)
+        batch = batch.repeat(cfg.rollout.n, interleave=True)
+        with self.timed("rollout"):
+            batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=timeouts.rollout))
+        with self.timed("reward"):
+            batch, reward_metrics = self.score(batch)
+        reward_metrics.update(algorithm_steps.shape_overlong(batch, cfg))
+        if baseline is not None:
+            batch.batch["baseline_rewards"] = baseline.repeat_interleave(cfg.rollout.n)
+            reward_metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
+        return batch, reward_metrics
+
+    def greedy_baseline(self, batch: DataProto, prompts: DataProto) -> torch.Tensor:
+        """ReMax: the score of one greedy response per prompt, [B]."""
+        greedy_prompts = prompts.select(meta_info_keys=[])
+        greedy_prompts.meta_info["greedy"] = True
+        with self.timed("rollout_greedy"):
+            greedy = batch.select(batch_keys=[]).union(
+                self.actor_rollout.generate_sequences(greedy_prompts, _timeout=self.cfg.trainer.timeouts.rollout))
+        greedy, _ = self.score(greedy)
+        return greedy.batch["token_level_scores"].sum(-1)
+
     def next_prompts(self) -> DataProto:
+        position = self.sampler.state_dict()  # (epoch, batch) names the prompts: uids replay on resume
         indices = next(self.batches)
         batch = collate_prompts([self.train_set[i] for i in indices], self.pad_token_id)
-        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in indices], dtype=object)
+        uids = [f"e{position['epoch']}b{position['position']}-{i}" for i in range(len(indices))]
+        batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
         return batch
 
     # ------------------------------------------------------------------ rewards

@@ -1,0 +1,264 @@
+"""Checkpoints of a run: atomic folders, a `latest` pointer, retention, and finding one to resume.
+
+    <run_dir>/checkpoints/
+        step_4/                      a complete checkpoint (it has a manifest.json)
+            actor/model.safetensors  full (unsharded) weights, HF names  } written by the
+            actor/optimizer.pt       full optimizer state (tensors only)  } actor workers
+            actor/config.json ...    HF config + tokenizer (the folder loads in transformers)
+            actor/rank_<r>.pt        LR scheduler, step counters, RNG states of rank r
+            driver_state.json        step, sampler position, driver RNG, validation history
+            config.yaml              the resolved config of the run
+            manifest.json            every file above with its size and sha256; written last
+        step_6/
+        latest                       "step_6", replaced (os.replace) after step_6 is complete
+
+A checkpoint is written into `.tmp-step_N/` and renamed to `step_N/` only when every file is on
+disk and the manifest lists them, so a crash mid-save never leaves a folder that looks complete.
+On resume every file is checked against the manifest (size and sha256): a truncated or corrupt
+newest checkpoint is reported and the previous complete one is used instead.
+
+Nothing here is loaded with pickle: weights are safetensors, other tensors go through
+`torch.load(weights_only=True)`, the driver state is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlframe.rng import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+DRIVER_STATE = "driver_state.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for (trainer.resume=<path>)."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+# ------------------------------------------------------------------ writing
+
+
+def begin_save(run_dir: Path, step: int) -> Path:
+    """A fresh temporary folder for checkpoint `step` (a stale one from a crashed save is removed)."""
+    tmp = checkpoints_dir(run_dir) / f".tmp-step_{step}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_save(tmp: Path, step: int, driver_state: dict, config_yaml: str, keep: int) -> Checkpoint:
+    """Add the driver state and manifest to `tmp`, rename it to `step_N`, point `latest` at it, prune.
+
+    The workers have already written their files into `tmp`.
+    """
+    (tmp / DRIVER_STATE).write_text(json.dumps(driver_state))
+    (tmp / "config.yaml").write_text(config_yaml)
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync(path)
+        files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = tmp / MANIFEST
+    manifest.write_text(json.dumps({"step": step, "complete": True, "files": files}, indent=1))
+    _fsync(manifest)
+    final = tmp.parent / f"step_{step}"
+    if final.exists():  # a re-run of the same step (after a restart): the new one wins
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    pointer = final.parent / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, final.parent / LATEST)
+    prune(final.parent, keep)
+    return Checkpoint(final, step)
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` step folders (keep=0: keep all); returns what was deleted."""
+    if keep <= 0:
+        return []
+    removed = []
+    for ckpt in list_checkpoints(directory)[keep:]:
+        shutil.rmtree(ckpt.path, ignore_errors=True)
+        removed.append(ckpt.path)
+    return removed
+
+
+# ------------------------------------------------------------------ finding / checking
+
+
+def list_checkpoints(directory: Path) -> list[Checkpoint]:
+    """Every `step_N` folder (complete or not), newest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [Checkpoint(p, int(m.group(1))) for p in directory.iterdir()
+             if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def verify(path: Path, hashes: bool = True) -> str | None:
+    """None when the checkpoint at `path` is complete and intact, else what is wrong with it."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return f"{manifest_path.name} is missing (the save did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return f"{MANIFEST} is unreadable ({error})"
+    if not manifest.get("complete"):
+        return f"{MANIFEST} does not mark the checkpoint complete"
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {expected['bytes']} (truncated?)"
+        if hashes and _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its sha256 in the manifest (corrupt)"
+    return None
+
+
+def find_latest_complete(run_dir: Path) -> Checkpoint | None:
+    """The newest complete checkpoint of the run; each newer broken one is reported and skipped."""
+    for ckpt in list_checkpoints(checkpoints_dir(run_dir)):
+        problem = verify(ckpt.path)
+        if problem is None:
+            return ckpt
+        message = (f"checkpoint {ckpt.path} is not usable: {problem}; "
+                   "falling back to the previous complete checkpoint")
+        logger.warning(message)
+        print(f"WARNING: {message}", flush=True)
+    return None
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Checkpoint | None:
+    """trainer.resume -> the checkpoint to start from (None: a fresh start)."""
+    if resume == "disable":
+        return None
+    if resume == "auto":
+        return find_latest_complete(run_dir)
+    path = Path(resume)
+    problem = verify(path)
+    if problem is not None:
+        raise CheckpointError(f"trainer.resume={resume}: {problem}. Fix: point it at a complete step_N "
+                              "folder, or use trainer.resume=auto")
+    state = read_driver_state(path)
+    return Checkpoint(path, int(state["step"]))
+
+
+def read_driver_state(path: Path) -> dict:
+    return json.loads((Path(path) / DRIVER_STATE).read_text())
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def trim_metrics_log(run_dir: Path, step: int) -> int:
+    """Drop metrics.jsonl lines of steps after `step` (logged by a run that died before saving them).
+
+    The resumed run logs those steps again, so the file ends up with each step once. Returns the
+    number of lines dropped.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ the trainer's checkpoints
+
+
+def should_save(step: int, total_steps: int, save_every: int) -> bool:
+    """Every `save_every` steps and at the last step; never when save_every is 0."""
+    return save_every > 0 and (step % save_every == 0 or step == total_steps)
+
+
+def save_trainer_checkpoint(trainer, step: int) -> Checkpoint:
+    """Workers write the actor state, the driver its own; then the folder is made visible atomically."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    start = time.perf_counter()
+    tmp = begin_save(trainer.run_dir, step)
+    trainer.actor_rollout.save_checkpoint(str(tmp / "actor"), _timeout=trainer.cfg.trainer.timeouts.update)
+    driver_state = {"step": step, "sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
+                    "val_before": trainer.first_val, "last_metrics": trainer.last_metrics}
+    ckpt = finish_save(tmp, step, driver_state, OmegaConf.to_yaml(OmegaConf.structured(trainer.cfg)),
+                       keep=trainer.cfg.trainer.max_checkpoints_to_keep)
+    print(f"checkpoint {ckpt.path} saved in {time.perf_counter() - start:.2f}s", flush=True)
+    return ckpt
+
+
+def restore_trainer(trainer, ckpt: Checkpoint | None) -> int:
+    """Load `ckpt` into the workers and the driver; returns the step to continue after (0: fresh)."""
+    import time
+
+    if ckpt is None:
+        return 0
+    start = time.perf_counter()
+    trainer.actor_rollout.load_checkpoint(str(ckpt.path / "actor"), _timeout=trainer.cfg.trainer.timeouts.init)
+    state = read_driver_state(ckpt.path)
+    trainer.sampler.load_state_dict(state["sampler"])
+    trainer.batches = trainer.sampler.forever()
+    restore_rng_state(state["rng"])
+    trainer.first_val = state["val_before"]
+    trainer.last_metrics = state["last_metrics"]
+    print(f"resumed from {ckpt.path} (step {ckpt.step}) in {time.perf_counter() - start:.2f}s", flush=True)
+    return int(state["step"])
