@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlframe.reward.sandbox import Sandbox, SandboxLimits, outputs_match
+from rlframe.reward.sandbox import DEFAULT_UID_BASE, Sandbox, SandboxLimits, outputs_match
 
 LIMITS = SandboxLimits(wall_time_s=3.0, cpu_time_s=2.0, memory_bytes=512 << 20, max_processes=8)
 
@@ -199,3 +199,46 @@ def test_outputs_match():
     assert outputs_match("1\n2  \n\n", "1\n2")
     assert outputs_match("a\r\nb\r\n", "a\nb\n")
     assert not outputs_match("1 2", "12")
+
+
+def test_sandboxes_die_with_their_parent(tmp_path):
+    """A reward worker killed mid-run (its timeout) leaves no sandboxed program behind."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        from rlframe.reward.sandbox import Sandbox, SandboxLimits
+        sb = Sandbox(max_concurrency=2, limits=SandboxLimits(wall_time_s=100, cpu_time_s=100))
+        sb.run_many([{{"code": "import time\\ntime.sleep(1000)"}}] * 2)
+        """))
+    parent = subprocess.Popen([sys.executable, str(script)])
+
+    def survivors():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            try:
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+            launcher = b"--launch" in cmdline and f'"parent_pid": {parent.pid}'.encode() in cmdline
+            program = 0 <= uid - (DEFAULT_UID_BASE + parent.pid * 256) < 256  # its dropped uid
+            if launcher or program:
+                found.append(pid)
+        return found
+    deadline = time.monotonic() + 20
+    expected = 4 if os.geteuid() == 0 else 2  # 2 launchers (+ 2 programs under their own uid)
+    while time.monotonic() < deadline and len(survivors()) < expected:
+        time.sleep(0.1)
+    assert len(survivors()) == expected, "the sandboxes did not start"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and survivors():
+        time.sleep(0.1)
+    assert survivors() == []

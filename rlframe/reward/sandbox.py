@@ -174,6 +174,13 @@ def _set_limits(cfg: dict) -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc_limit"], cfg["nproc_limit"]))
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG): a reward worker killed for a
+    timeout must not leave its sandboxes running."""
+    ctypes, libc = _libc()
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
 def _become_program(cfg: dict, workdir: str, new_pid_namespace: bool) -> None:
     """Apply the limits, drop the uid and exec the interpreter on the program."""
     if new_pid_namespace:
@@ -186,9 +193,7 @@ def _become_program(cfg: dict, workdir: str, new_pid_namespace: bool) -> None:
         os.setgroups([])
         os.setgid(cfg["gid"])
         os.setuid(cfg["uid"])
-    if new_pid_namespace:  # set after setuid (which clears it): dies with the launcher
-        ctypes, libc = _libc()
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    _die_with_parent()  # again: setuid cleared it
     os.chdir(workdir)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"}
     bootstrap = _BOOTSTRAP % {"hook": _AUDIT_HOOK if cfg["audit_hook"] else "",
@@ -201,10 +206,14 @@ def _launch(cfg: dict) -> None:
 
     With namespaces (root): unshare net + mount + pid namespaces, build the mount tree, fork the
     program as pid 1 of the new pid namespace, wait for it and exit as it did. When that pid 1
-    exits (or is killed, or the launcher dies: PDEATHSIG), the kernel kills and reaps every
+    exits (or is killed, or the launcher dies: PDEATHSIG, which the launcher also sets for
+    itself against its parent's death), the kernel kills and reaps every
     process left in the namespace -- no orphan, no zombie, even after ``setsid``.
     """
     try:
+        _die_with_parent()
+        if os.getppid() != cfg["parent_pid"]:
+            raise OSError("the parent process is gone")
         if cfg["netns"] and cfg["mountns"]:
             if not _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID):
                 raise OSError("unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID) failed")
@@ -444,7 +453,7 @@ class Sandbox:
             if uid is not None:
                 os.chown(workdir, uid, uid)
                 os.chmod(workdir, 0o700)
-            cfg = {"python": self._python, "host_workdir": workdir, "uid": uid, "gid": uid,
+            cfg = {"python": self._python, "parent_pid": os.getpid(), "host_workdir": workdir, "uid": uid, "gid": uid,
                    "netns": self._netns, "userns": self._userns, "mountns": self._mountns,
                    "audit_hook": self._audit_hook, "hidden_prefixes": self._prefixes,
                    "cpu_time_s": max(1, math.ceil(limits.cpu_time_s)),
