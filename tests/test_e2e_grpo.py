@@ -78,9 +78,8 @@ def test_grpo_two_steps_vllm(tmp_path, tiny_model_dir):
 def test_grpo_two_steps_hf_engine_world_size_2(tmp_path, tiny_model_dir):
     run_dir, result = _run(tmp_path, tiny_model_dir, "rollout.engine=hf", "actor.world_size=2",
                            "actor.ppo_micro_batch_size_per_device=2")
-    metrics = _check_run(run_dir, result)
+    _check_run(run_dir, result)
     assert "engine=hf" in result.stdout and "sharded=True" in result.stdout
-    assert all(m["actor/grad_norm"] > 0 for m in metrics[1:])
     _export_loads(run_dir / "hf_model")
 
 

@@ -191,17 +191,14 @@ class ActorRolloutWorker:
         return self._save_hf(out_dir)
 
     def _save_hf(self, out_dir: str) -> str:
-        from transformers import AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         state = dict(iter_full_weights(self.actor.model))
         if _rank() == 0:
-            model = self.actor.model
-            config = model.config
-            from transformers import AutoModelForCausalLM
-
             with torch.device("meta"):
-                plain = AutoModelForCausalLM.from_config(config)
+                plain = AutoModelForCausalLM.from_config(self.actor.model.config)
             plain.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=False, assign=True)
+            plain.tie_weights()  # assign=True unties shared tensors (embeddings / lm_head)
             plain.save_pretrained(out_dir, safe_serialization=True)
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
         if dist.is_initialized():
