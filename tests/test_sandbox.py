@@ -172,7 +172,7 @@ def test_output_is_capped(sandbox):
     assert result.truncated and len(result.stdout) == 1000
 
 
-def test_workdir_is_removed_and_fresh(sandbox, tmp_path):
+def test_workdir_is_removed_and_fresh(sandbox):
     import tempfile
     before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("rlframe-sandbox-")}
     first = run(sandbox, "import os\nopen('left.txt', 'w').write('1')\nprint(os.listdir('.'))")
