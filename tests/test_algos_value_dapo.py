@@ -83,3 +83,17 @@ def test_informative_groups():
     assert informative_groups(uids, np.zeros(7)).sum() == 0
     with pytest.raises(ValueError):
         informative_groups(uids, [1.0])
+
+
+def test_kl_penalized_rewards_by_hand():
+    from rlframe.algos.kl import kl_penalized_rewards
+
+    scores = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    log_prob = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0, -3.0], [-2.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # k1 = p - q: row 0 -> [0.5, -1.0, (masked)], row 1 -> [1.0, masked, masked]
+    rewards, mean_kl = kl_penalized_rewards(scores, log_prob, ref, mask, beta=0.1, kind="k1")
+    assert rewards.flatten().tolist() == pytest.approx([-0.05, 1.1, 0.0, -0.1, 0.0, 0.0])
+    # per sequence: (0.5 - 1.0) / 2 = -0.25 and 1.0 / 1 -> mean 0.375
+    assert mean_kl.item() == pytest.approx(0.375)

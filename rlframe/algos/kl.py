@@ -91,3 +91,19 @@ def build_kl_controller(
             raise ValueError("the adaptive KL controller needs both target_kl and horizon; set them in the config")
         return AdaptiveKLController(kl_coef, target_kl, horizon)
     raise ValueError(f"unknown KL controller {kind!r}; choose 'fixed' or 'adaptive'")
+
+
+def kl_penalized_rewards(token_level_scores: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                         response_mask: torch.Tensor, beta: float, kind: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """KL inside the reward (PPO-RLHF, Ziegler et al. 2019): -> (token_level_rewards, mean sequence KL).
+
+        kl[i, t]      = kl_penalty(log_prob, ref_log_prob, kind)[i, t] * m[i, t]
+        rewards[i, t] = scores[i, t] - beta * kl[i, t]
+        mean_kl       = mean_i ( sum_t kl[i, t] / max(n_i, 1) )      (what the adaptive controller steers)
+
+    log_prob is the policy that sampled the batch (the old log-probs); all tensors [B, T].
+    """
+    mask = response_mask.to(token_level_scores.dtype)
+    kl = kl_penalty(log_prob, ref_log_prob, kind).to(token_level_scores.dtype) * mask
+    per_sequence = kl.sum(-1) / mask.sum(-1).clamp_min(1.0)
+    return token_level_scores - beta * kl, per_sequence.mean()

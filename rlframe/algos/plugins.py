@@ -77,3 +77,15 @@ def register_from_config(kind: str, path: str, name: str, register_as: str | Non
         POLICY_LOSSES.pop(registry_name, None)
         register_policy_loss(registry_name)(fn)
     return fn
+
+
+def register_configured_plugins(algorithm: dict) -> None:
+    """Register `algorithm.custom_estimator` / `algorithm.custom_policy_loss` ({path, name}) if set.
+
+    Called by the driver before workers start (estimators run there) and by each actor worker
+    (policy losses run there); `algorithm` is the config section as a plain dict.
+    """
+    for key, kind in (("custom_estimator", "advantage"), ("custom_policy_loss", "policy_loss")):
+        plugin = algorithm.get(key) or {}
+        if plugin.get("path"):
+            register_from_config(kind, plugin["path"], plugin["name"])

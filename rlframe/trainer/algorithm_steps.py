@@ -1,0 +1,75 @@
+"""The driver steps that differ between algorithms (PPO, DAPO, ReMax, KL-in-reward).
+
+Each is a short function of the batch and the config, called from `RLTrainer`'s loop; the
+arithmetic lives in `rlframe.algos` (overlong_penalty, informative_groups, kl_penalized_rewards).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlframe.algos import build_kl_controller, informative_groups, overlong_penalty
+from rlframe.algos.kl import kl_penalized_rewards
+from rlframe.config import RLConfig
+from rlframe.protocol import DataProto
+
+PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
+
+
+def make_kl_controller(cfg: RLConfig):
+    """The reward-KL coefficient controller, or None when the KL is not in the reward."""
+    if not cfg.algorithm.use_kl_in_reward:
+        return None
+    ctrl = cfg.algorithm.kl_ctrl
+    return build_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+
+
+def shape_overlong(batch: DataProto, cfg: RLConfig) -> dict[str, float]:
+    """DAPO overlong shaping: add penalty_factor * overlong_penalty(length) to the outcome score (in place)."""
+    buffer = cfg.algorithm.overlong_buffer
+    if not buffer.enable:
+        return {}
+    mask = batch.batch["response_mask"]
+    penalty = buffer.penalty_factor * overlong_penalty(mask.sum(-1), cfg.data.max_response_length, buffer.len)
+    scores = batch.batch["token_level_scores"]
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    scores[torch.arange(len(last)), last] += penalty * (mask.sum(-1) > 0)
+    return {"reward/overlong_penalty": float(penalty.mean()),
+            "reward/overlong_frac": float((penalty < 0).float().mean())}
+
+
+def token_level_rewards(batch: DataProto, kl_ctrl, kind: str = "k1") -> dict[str, float]:
+    """token_level_rewards = scores (- beta * KL(old policy || ref) with the KL in the reward), in place."""
+    scores = batch.batch["token_level_scores"]
+    if kl_ctrl is None:
+        batch.batch["token_level_rewards"] = scores
+        return {}
+    beta = kl_ctrl.value
+    rewards, mean_kl = kl_penalized_rewards(scores, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
+                                            batch.batch["response_mask"], beta, kind)
+    batch.batch["token_level_rewards"] = rewards
+    kl_ctrl.update(float(mean_kl), n_steps=len(batch))
+    return {"reward/kl_penalty": float(mean_kl), "reward/kl_coef": beta}
+
+
+def keep_informative(batch: DataProto) -> DataProto:
+    """Dynamic sampling: only the rows of groups whose outcome scores differ."""
+    keep = informative_groups(batch.non_tensor_batch["uid"], batch.batch["token_level_scores"].sum(-1).numpy())
+    return batch[np.nonzero(keep)[0]]
+
+
+def concat_rollouts(parts: list[DataProto], pad_token_id: int) -> DataProto:
+    """Concatenate rollout batches whose (left-padded) prompt widths differ: pad all to the widest."""
+    width = max(p.batch["prompts"].size(1) for p in parts)
+    padded = []
+    for part in parts:
+        extra = width - part.batch["prompts"].size(1)
+        if extra:
+            part = part.select()  # a shallow copy: do not change the caller's batch
+            part.batch["prompts"] = torch.nn.functional.pad(part.batch["prompts"], (extra, 0), value=pad_token_id)
+            part.batch["input_ids"] = torch.nn.functional.pad(part.batch["input_ids"], (extra, 0), value=pad_token_id)
+            for key in ("attention_mask", "position_ids"):
+                part.batch[key] = torch.nn.functional.pad(part.batch[key], (extra, 0), value=0)
+        padded.append(part)
+    return DataProto.concat(padded)
