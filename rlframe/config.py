@@ -131,6 +131,10 @@ class ActorConfig:
     # equal the first forward's, so the separate compute_log_prob pass is skipped (and the
     # engine/trainer log-prob agreement is measured inside update_actor instead).
     skip_old_log_prob_when_on_policy: bool = True
+    # Padding-free forward (all real tokens of a micro-batch packed in one row): flash-attn varlen on
+    # GPU. On CPU, SDPA then needs a block-diagonal mask that costs more than the padding it saves
+    # (measured: 22.7 s packed vs 18.8 s padded fwd+bwd, 8 rollouts of SmolLM2), so auto = GPU only.
+    use_remove_padding: str = "auto"  # auto | true | false
     offload_params: bool = False  # GPU only: keep params on CPU between phases
     offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases
 

@@ -62,8 +62,9 @@ def _all_reduce_sum(value: float) -> float:
 class PolicyModel:
     def __init__(self, model_path: str, profile: DeviceProfile, *, train: UpdateSettings | None = None,
                  gradient_checkpointing: bool = False, offload_params: bool = False,
-                 offload_optimizer: bool = False, trust_remote_code: bool = False):
+                 offload_optimizer: bool = False, trust_remote_code: bool = False, packed: bool = False):
         self.profile = profile
+        self.packed = packed
         self.device = torch.device(profile.device)
         # fp32 master weights; on GPU, FSDP's mixed precision computes in bf16.
         master_dtype = torch.float32 if (train is not None or not profile.is_gpu) else profile.dtype
@@ -103,7 +104,7 @@ class PolicyModel:
         log_probs, entropies = [], []
         for micro in data.split(micro_batch_size):
             lp, ent = forward_response_log_probs(self.model, **self._model_inputs(micro), response_width=response_width,
-                                                 temperature=temperature, with_entropy=with_entropy)
+                                                 temperature=temperature, with_entropy=with_entropy, packed=self.packed)
             log_probs.append(lp.cpu())
             if ent is not None:
                 entropies.append(ent.cpu())
@@ -155,7 +156,7 @@ class PolicyModel:
                     tokens_trained += int(micro.batch["attention_mask"].sum())
                     log_prob, entropy = forward_response_log_probs(
                         self.model, **self._model_inputs(micro), response_width=response_width,
-                        temperature=temperature, with_entropy=cfg.entropy_coeff != 0)
+                        temperature=temperature, with_entropy=cfg.entropy_coeff != 0, packed=self.packed)
                     if on_policy:
                         old_log_prob = log_prob.detach()
                         if "rollout_log_probs" in micro.batch.keys():

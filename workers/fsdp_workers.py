@@ -40,6 +40,11 @@ def _profile(cfg: dict):
                           cfg["rollout"]["engine"])
 
 
+def _use_remove_padding(cfg: dict, profile) -> bool:
+    setting = str(cfg["actor"]["use_remove_padding"]).lower()
+    return profile.is_gpu if setting == "auto" else setting == "true"
+
+
 def _seed_everything(seed: int) -> None:
     import random
 
@@ -90,7 +95,7 @@ class ActorRolloutWorker:
         self.actor = PolicyModel(model_path, self.profile, train=self.settings,
                                  gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
                                  offload_params=actor["offload_params"], offload_optimizer=actor["offload_optimizer"],
-                                 trust_remote_code=trust)
+                                 trust_remote_code=trust, packed=_use_remove_padding(cfg, self.profile))
         eos_ids, pad_id = _tokenizer_ids(model_path, trust)
         max_len = data["max_prompt_length"] + data["max_response_length"]
         if self.profile.rollout_engine == "vllm":
@@ -212,7 +217,8 @@ class RefWorker:
     def __init__(self, cfg: dict, model_path: str):
         self.cfg = cfg
         self.profile = _profile(cfg)
-        self.ref = PolicyModel(model_path, self.profile, train=None, trust_remote_code=cfg["model"]["trust_remote_code"])
+        self.ref = PolicyModel(model_path, self.profile, train=None, trust_remote_code=cfg["model"]["trust_remote_code"],
+                               packed=_use_remove_padding(cfg, self.profile))
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

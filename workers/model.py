@@ -93,7 +93,7 @@ def trim_padding_columns(attention_mask: torch.Tensor, response_width: int) -> t
 
 def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                position_ids: torch.Tensor, response_width: int, temperature: float = 1.0,
-                               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               with_entropy: bool = False, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens under `model`, shape [B, response_width].
 
     log p(y_t | x, y_<t) = log_softmax(logits_{t-1} / temperature)[y_t]; padding columns shared by
@@ -101,6 +101,9 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     """
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
+    if packed:
+        return _packed_response_log_probs(model, input_ids, attention_mask, position_ids, response_width,
+                                          temperature, with_entropy)
     start, end = trim_padding_columns(attention_mask, response_width)
     prompt_width = input_ids.size(1) - response_width
     kept_response = end - prompt_width
@@ -118,3 +121,36 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
         log_probs = torch.nn.functional.pad(log_probs, (0, pad))
         entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
     return log_probs, entropy
+
+
+def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               position_ids: torch.Tensor, response_width: int, temperature: float,
+                               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padding-free variant: all real tokens of the micro-batch packed into one row.
+
+    The model sees one sequence of sum(lengths) tokens whose position ids restart at 0 for each
+    original row; transformers turns that into flash-attn varlen (GPU) or a block-diagonal causal
+    mask (SDPA), so no compute is spent on padding and no token attends across rows. Token j of
+    the packed row predicts token j + 1; the result is scattered back to the padded [B, R] grid.
+    """
+    from rlframe.algos import entropy_from_logits, log_probs_from_logits
+
+    real = attention_mask.bool()
+    packed_ids = input_ids[real].unsqueeze(0)
+    logits = model(input_ids=packed_ids, position_ids=position_ids[real].unsqueeze(0), attention_mask=None,
+                   use_cache=False).logits[0, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    next_log_probs = log_probs_from_logits(logits, packed_ids[0, 1:])
+    prompt_width = input_ids.size(1) - response_width
+    response_mask = attention_mask[:, prompt_width:].to(next_log_probs.dtype)
+
+    def to_response_grid(per_token: torch.Tensor) -> torch.Tensor:
+        # value at a real token = prediction of the token after it; the response token at column
+        # prompt_width + t is predicted at column prompt_width + t - 1.
+        grid = torch.zeros(input_ids.shape, dtype=per_token.dtype, device=per_token.device)
+        grid[real] = torch.nn.functional.pad(per_token, (0, 1))
+        return grid[:, prompt_width - 1: prompt_width - 1 + response_width] * response_mask
+
+    entropy = to_response_grid(entropy_from_logits(logits)) if with_entropy else None
+    return to_response_grid(next_log_probs), entropy
