@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rlframe.algos import PolicyLossConfig, agg_loss, get_policy_loss, kl_penalty
+from rlframe.algos.batching import split_by_token_budget
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.model import build_causal_lm, forward_response_log_probs, needs_sharding, shard_model
@@ -45,6 +46,7 @@ class UpdateSettings:
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     max_consecutive_skips: int = 3
+    max_tokens_per_micro_batch: int = 0  # > 0: dynamic micro-batches by token budget instead of a fixed count
 
 
 def _world_size() -> int:
@@ -57,6 +59,30 @@ def _all_reduce_sum(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t.item())
+
+
+def micro_batch_indices(data: DataProto, micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+    """Rows of each micro-batch: a fixed count, or (max_tokens > 0) at most max_tokens real tokens each."""
+    if max_tokens <= 0:
+        return [list(range(i, min(i + micro_batch_size, len(data)))) for i in range(0, len(data), micro_batch_size)]
+    groups = split_by_token_budget(data.batch["attention_mask"].sum(-1).tolist(), max_tokens)
+    # Sharded models run collectives in every forward: all ranks need the same number of micro-batches.
+    target = _all_reduce_max(len(groups))
+    while len(groups) < target:
+        largest = max(groups, key=len)
+        if len(largest) < 2:
+            raise ValueError(f"cannot make {target} micro-batches from {len(data)} rows on this rank")
+        groups.remove(largest)
+        groups += [largest[: len(largest) // 2], largest[len(largest) // 2:]]
+    return groups
+
+
+def _all_reduce_max(value: int) -> int:
+    if _world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 class PolicyModel:
@@ -97,19 +123,23 @@ class PolicyModel:
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, micro_batch_size: int, temperature: float = 1.0,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         with_entropy: bool = False, max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         was_training = self.model.training
         self.model.eval()
         response_width = data.batch["responses"].size(1)
-        log_probs, entropies = [], []
-        for micro in data.split(micro_batch_size):
+        log_probs, entropies, order = [], [], []
+        for indices in micro_batch_indices(data, micro_batch_size, max_tokens):
+            micro = data[indices]
+            order += indices
             lp, ent = forward_response_log_probs(self.model, **self._model_inputs(micro), response_width=response_width,
                                                  temperature=temperature, with_entropy=with_entropy, packed=self.packed)
             log_probs.append(lp.cpu())
             if ent is not None:
                 entropies.append(ent.cpu())
         self.model.train(was_training)
-        return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+        restore = torch.argsort(torch.tensor(order))  # back to the input row order
+        log_probs = torch.cat(log_probs)[restore]
+        return log_probs, (torch.cat(entropies)[restore] if with_entropy else None)
 
     # ------------------------------------------------------------------ update
     def update(self, data: DataProto, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
@@ -151,7 +181,8 @@ class PolicyModel:
                        "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())),
                        "horizon": response_width}
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(cfg.micro_batch_size):
+                for indices in micro_batch_indices(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
+                    micro = mini[indices]
                     micro_mask = micro.batch["response_mask"].to(self.device)
                     tokens_trained += int(micro.batch["attention_mask"].sum())
                     log_prob, entropy = forward_response_log_probs(

@@ -89,7 +89,8 @@ class ActorRolloutWorker:
             clip_ratio_high=actor["clip_ratio_high"], clip_ratio_c=actor["clip_ratio_c"],
             loss_agg_mode=actor["loss_agg_mode"], entropy_coeff=actor["entropy_coeff"],
             use_kl_loss=algo["use_kl_loss"], kl_loss_coef=algo["kl_loss_coef"], kl_loss_type=algo["kl_loss_type"],
-            max_consecutive_skips=cfg["trainer"].get("max_consecutive_skipped_updates", 3))
+            max_consecutive_skips=cfg["trainer"].get("max_consecutive_skipped_updates", 3),
+            max_tokens_per_micro_batch=actor["ppo_max_token_len_per_device"])
         trust = cfg["model"]["trust_remote_code"]
         register_configured_plugins(algo)  # a user's policy loss file (algorithm.custom_policy_loss)
         self.actor = PolicyModel(model_path, self.profile, train=self.settings,
@@ -142,7 +143,8 @@ class ActorRolloutWorker:
     def compute_log_prob(self, data: DataProto) -> DataProto:
         log_probs, entropy = self.actor.compute_log_prob(
             data, self.cfg["actor"]["log_prob_micro_batch_size_per_device"],
-            temperature=self.cfg["rollout"]["temperature"], with_entropy=True)
+            temperature=self.cfg["rollout"]["temperature"], with_entropy=True,
+            max_tokens=self.cfg["actor"]["log_prob_max_token_len_per_device"])
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -223,5 +225,6 @@ class RefWorker:
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         log_probs, _ = self.ref.compute_log_prob(data, self.cfg["actor"]["log_prob_micro_batch_size_per_device"],
-                                                 temperature=self.cfg["rollout"]["temperature"])
+                                                 temperature=self.cfg["rollout"]["temperature"],
+                                                 max_tokens=self.cfg["actor"]["log_prob_max_token_len_per_device"])
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})

@@ -16,6 +16,9 @@ from torch import nn
 
 from rlframe.device import DeviceProfile
 
+# Token positions whose logits are upcast to float32 at once (bounds the fp32 copy to LOGIT_CHUNK x vocab).
+LOGIT_CHUNK = 1024
+
 
 def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing: bool = False,
                     trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -110,12 +113,13 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     logits = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, start:end],
                    position_ids=position_ids[:, start:end], use_cache=False).logits
     # logits at column c predict the token at column c + 1
-    response_logits = logits[:, prompt_width - start - 1: end - start - 1].float()
+    # Kept in the model's dtype; the float32 upcast happens LOGIT_CHUNK positions at a time.
+    response_logits = logits[:, prompt_width - start - 1: end - start - 1]
     if temperature != 1.0:
         response_logits = response_logits / temperature
     targets = input_ids[:, prompt_width:end]
-    log_probs = log_probs_from_logits(response_logits, targets)
-    entropy = entropy_from_logits(response_logits) if with_entropy else None
+    log_probs = log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)
+    entropy = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
     pad = response_width - kept_response
     if pad:
         log_probs = torch.nn.functional.pad(log_probs, (0, pad))
@@ -138,10 +142,10 @@ def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     real = attention_mask.bool()
     packed_ids = input_ids[real].unsqueeze(0)
     logits = model(input_ids=packed_ids, position_ids=position_ids[real].unsqueeze(0), attention_mask=None,
-                   use_cache=False).logits[0, :-1].float()
+                   use_cache=False).logits[0, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    next_log_probs = log_probs_from_logits(logits, packed_ids[0, 1:])
+    next_log_probs = log_probs_from_logits(logits, packed_ids[0, 1:], chunk_size=LOGIT_CHUNK)
     prompt_width = input_ids.size(1) - response_width
     response_mask = attention_mask[:, prompt_width:].to(next_log_probs.dtype)
 
@@ -152,5 +156,5 @@ def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
         grid[real] = torch.nn.functional.pad(per_token, (0, 1))
         return grid[:, prompt_width - 1: prompt_width - 1 + response_width] * response_mask
 
-    entropy = to_response_grid(entropy_from_logits(logits)) if with_entropy else None
+    entropy = to_response_grid(entropy_from_logits(logits, chunk_size=LOGIT_CHUNK)) if with_entropy else None
     return to_response_grid(next_log_probs), entropy
