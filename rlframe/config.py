@@ -135,6 +135,10 @@ class ActorConfig:
     # GPU. On CPU, SDPA then needs a block-diagonal mask that costs more than the padding it saves
     # (measured: 22.7 s packed vs 18.8 s padded fwd+bwd, 8 rollouts of SmolLM2), so auto = GPU only.
     use_remove_padding: str = "auto"  # auto | true | false
+    # Dynamic micro-batches: instead of a fixed count, pack rows up to a token budget per forward
+    # (0 = off: use the fixed ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device).
+    ppo_max_token_len_per_device: int = 0
+    log_prob_max_token_len_per_device: int = 0
     offload_params: bool = False  # GPU only: keep params on CPU between phases
     offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases
 
@@ -206,6 +210,10 @@ class TrainerConfig:
     experiment_name: str = "grpo_math"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
     val_before_train: bool = True
+    val_at_end: bool = True
+    # Reorder each batch so every data-parallel rank gets a near-equal number of tokens (a greedy
+    # equal-count partition; the spread is at most one sequence's length) before it is split.
+    balance_batch: bool = True
     val_every: int = 0  # 0: only before and after training
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda

@@ -27,6 +27,7 @@ import ray
 import torch
 
 from rlframe.algos import AdvantageConfig, get_advantage_estimator
+from rlframe.algos.batching import balanced_equal_size_partition
 from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
 from rlframe.controller import ResourcePool, WorkerError, WorkerGroup
@@ -164,6 +165,8 @@ class RLTrainer:
             step_start = time.perf_counter()
             self.phase_times = {}
             batch, reward_metrics = self.rollout_batch(step)
+            if cfg.trainer.balance_batch:
+                batch = balance_across_ranks(batch, cfg.actor.world_size)
             if not self.on_policy_update:
                 with self.timed("old_log_prob"):
                     batch = batch.union(self.actor_rollout.compute_log_prob(batch, _timeout=timeouts.log_prob))
@@ -194,7 +197,7 @@ class RLTrainer:
                 self.phase_times["rollout"], 1e-9)
             if cfg.trainer.val_every and step % cfg.trainer.val_every == 0 and step != cfg.trainer.total_steps:
                 metrics.update(self.validate())
-            if step == cfg.trainer.total_steps and self.val_set:
+            if step == cfg.trainer.total_steps and cfg.trainer.val_at_end and self.val_set:
                 metrics.update(self.validate())
             self.tracker.log(step, metrics)
             self.last_metrics = metrics
@@ -319,6 +322,15 @@ class RLTrainer:
         self.rewards.close()
         self.tracker.close()
         self.workers.shutdown()
+
+
+def balance_across_ranks(batch: DataProto, world_size: int) -> DataProto:
+    """Reorder rows so each rank's contiguous chunk holds a near-equal number of tokens."""
+    if world_size == 1 or len(batch) % world_size:
+        return batch
+    lengths = batch.batch["attention_mask"].sum(-1).tolist()
+    groups = balanced_equal_size_partition(lengths, world_size)
+    return batch.reorder([i for group in groups for i in group])
 
 
 def batch_metrics(batch: DataProto) -> dict[str, float]:
