@@ -68,7 +68,9 @@ def read_rows(path: str | Path) -> list[dict]:
         return pq.read_table(path).to_pylist()
     if suffix in (".jsonl", ".json"):
         rows = []
-        with open(path, encoding="utf-8") as f:
+        # Undecodable bytes become lone surrogates here and are reported per row and field by
+        # RLDataset (instead of one UnicodeDecodeError for the whole file).
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for line_number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -100,6 +102,28 @@ def _get_field(row: dict, dotted: str) -> Any:
             raise _BadRow(dotted, "missing")
         value = value[part]
     return value
+
+
+def _find_bad_text(value: Any, field: str) -> None:
+    """Raise _BadRow naming the first (nested) field whose text is not valid UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = value[exc.start]
+            byte = f" (byte 0x{ord(bad) - 0xDC00:02x})" if 0xDC80 <= ord(bad) <= 0xDCFF else ""
+            raise _BadRow(field, f"not valid UTF-8 text{byte} at character {exc.start}") from None
+    elif isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _BadRow(field, f"not valid UTF-8 text (byte 0x{value[exc.start]:02x} at {exc.start})") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _find_bad_text(item, f"{field}.{key}" if field else str(key))
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        for j, item in enumerate(value):
+            _find_bad_text(item, f"{field}[{j}]")
 
 
 def _check_messages(value: Any, field: str) -> list[dict]:
@@ -231,7 +255,7 @@ class RLDataset:
             if len(ids) > self.max_prompt_length:
                 if self.overlong == "error":
                     raise DatasetError(
-                        f"{path}, row {example['row']}: the prompt has {len(ids)} tokens, more "
+                        f"{path}, row {example['row']}: field {self.prompt_key!r}: the prompt has {len(ids)} tokens, more "
                         f"than max_prompt_length={self.max_prompt_length}. Raise "
                         f"max_prompt_length or set overlong='filter' / 'truncate_left'")
                 if self.overlong == "filter":
@@ -246,7 +270,10 @@ class RLDataset:
 
     def _check_row(self, row: dict, path: str) -> dict:
         """Validate one row and build its example (everything but the token ids)."""
+        _find_bad_text(row, "")
         prompt = _get_field(row, self.prompt_key)
+        if isinstance(prompt, bytes):  # a parquet binary column holding (valid, checked above) UTF-8
+            prompt = prompt.decode("utf-8")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise _BadRow(self.prompt_key, "empty string")
@@ -262,6 +289,8 @@ class RLDataset:
 
         answer_field = self.answer_key or "reward_model.ground_truth"
         ground_truth = _get_field(row, answer_field)
+        if isinstance(ground_truth, bytes):
+            ground_truth = ground_truth.decode("utf-8")
         if isinstance(ground_truth, np.ndarray):
             ground_truth = ground_truth.tolist()
         if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):

@@ -30,7 +30,7 @@ RESTARTABLE = (WorkerDied, WorkerTimeout)
 
 def annotate(error: WorkerError, phase: str, step: int | None, group=None) -> WorkerError:
     """Prefix the error with where in the loop it happened; a timeout also gets the stuck stacks."""
-    where = f"step {step}, phase '{phase}'" if step is not None else f"phase '{phase}'"
+    where = f"step {step}, phase '{phase}'" if step else f"phase '{phase}'"
     if getattr(error, "phase", None) is None:
         error.phase = phase
         error.step = step
