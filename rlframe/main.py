@@ -70,6 +70,12 @@ def compose_config(argv: list[str]) -> RLConfig:
     for fn in cfg.reward.functions:
         if not Path(fn.path).exists() and (REPO_ROOT / fn.path).exists():
             fn.path = str(REPO_ROOT / fn.path)
+    # So are user estimator/loss files; made absolute, since workers may run elsewhere.
+    for plugin in (cfg.algorithm.custom_estimator, cfg.algorithm.custom_policy_loss):
+        if plugin.path and not Path(plugin.path).exists() and (REPO_ROOT / plugin.path).exists():
+            plugin.path = str(REPO_ROOT / plugin.path)
+        if plugin.path and Path(plugin.path).exists():
+            plugin.path = str(Path(plugin.path).resolve())
     return cfg
 
 
