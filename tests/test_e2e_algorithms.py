@@ -107,3 +107,21 @@ def test_remax_greedy_baseline_no_reference(tmp_path, tiny_model_dir):
     assert "+Ref" not in stdout  # no KL anywhere: the reference model is never started
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "reward/greedy_baseline_mean", "timing/rollout_greedy")
+
+
+def test_ppo_checkpoint_holds_critic_and_resumes(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    common = ["recipe=ppo_math", *TINY, PARITY_REWARD, f"model.path={tiny_model_dir}", f"trainer.run_dir={run_dir}",
+              "trainer.save_every=1", "trainer.val_before_train=false", "algorithm.use_kl_in_reward=true",
+              "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=10"]
+    first = run_main([*common, "trainer.total_steps=1"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-6000:]
+    assert (run_dir / "checkpoints" / "step_1" / "critic").is_dir()
+    second = run_main([*common, "trainer.total_steps=2"], cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-6000:]
+    assert "resumed from" in second.stdout
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    # the adaptive beta continues from the checkpoint, not from kl_coef
+    assert metrics[1]["reward/kl_coef"] != pytest.approx(0.001, abs=0.0)
+    _finite(metrics[1], "critic/vf_loss", "actor/pg_loss")

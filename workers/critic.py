@@ -115,6 +115,8 @@ class CriticModel:
         warmup = max(settings.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.optimizer_steps = 0  # these two, with model/optimizer/scheduler, are what checkpoints save
+        self.consecutive_skips = 0
 
     def _inputs(self, micro: DataProto) -> dict[str, torch.Tensor]:
         return {k: micro.batch[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}
@@ -169,8 +171,11 @@ class CriticModel:
                 if torch.isfinite(torch.tensor(grad_norm)):
                     self.optimizer.step()
                     self.scheduler.step()
-                else:
+                    self.optimizer_steps += 1
+                    self.consecutive_skips = 0
+                else:  # skip rather than poison the critic (the actor stops after too many in a row)
                     self.optimizer.zero_grad(set_to_none=True)
+                    self.consecutive_skips += 1
         metrics = {k: sums[k] / counts[k] for k in sums}
         for key in ("critic/vf_clipfrac", "critic/vpred_mean"):
             metrics[key] = _all_reduce_sum(metrics[key]) / world
@@ -213,3 +218,20 @@ class CriticWorker:
     def update_critic(self, data: DataProto) -> DataProto:
         metrics = self.critic.update(data, seed=self.cfg["trainer"]["seed"] + int(data.meta_info.get("step", 0)))
         return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, out_dir: str) -> dict:
+        """Value model (backbone + head), optimizer, scheduler and counters into `out_dir` (a collective)."""
+        from rlframe.workers.checkpointing import save_policy
+
+        start = time.perf_counter()
+        save_policy(self.critic, out_dir)
+        return {"seconds": time.perf_counter() - start}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, in_dir: str) -> dict:
+        from rlframe.workers.checkpointing import load_policy
+
+        start = time.perf_counter()
+        info = load_policy(self.critic, in_dir)
+        return {**info, "seconds": time.perf_counter() - start}

@@ -238,8 +238,11 @@ def save_trainer_checkpoint(trainer, step: int) -> Checkpoint:
     start = time.perf_counter()
     tmp = begin_save(trainer.run_dir, step)
     trainer.actor_rollout.save_checkpoint(str(tmp / "actor"), _timeout=trainer.cfg.trainer.timeouts.update)
+    if getattr(trainer, "critic", None) is not None:
+        trainer.critic.save_checkpoint(str(tmp / "critic"), _timeout=trainer.cfg.trainer.timeouts.update)
     driver_state = {"step": step, "sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
-                    "val_before": trainer.first_val, "last_metrics": trainer.last_metrics}
+                    "val_before": trainer.first_val, "last_metrics": trainer.last_metrics,
+                    "kl_coef": getattr(getattr(trainer, "kl_ctrl", None), "value", None)}
     ckpt = finish_save(tmp, step, driver_state, OmegaConf.to_yaml(OmegaConf.structured(trainer.cfg)),
                        keep=trainer.cfg.trainer.max_checkpoints_to_keep)
     print(f"checkpoint {ckpt.path} saved in {time.perf_counter() - start:.2f}s", flush=True)
@@ -254,7 +257,11 @@ def restore_trainer(trainer, ckpt: Checkpoint | None) -> int:
         return 0
     start = time.perf_counter()
     trainer.actor_rollout.load_checkpoint(str(ckpt.path / "actor"), _timeout=trainer.cfg.trainer.timeouts.init)
+    if getattr(trainer, "critic", None) is not None:
+        trainer.critic.load_checkpoint(str(ckpt.path / "critic"), _timeout=trainer.cfg.trainer.timeouts.init)
     state = read_driver_state(ckpt.path)
+    if state.get("kl_coef") is not None and getattr(trainer, "kl_ctrl", None) is not None:
+        trainer.kl_ctrl.value = float(state["kl_coef"])  # the adaptive controller's beta
     trainer.sampler.load_state_dict(state["sampler"])
     trainer.batches = trainer.sampler.forever()
     restore_rng_state(state["rng"])
