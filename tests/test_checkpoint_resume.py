@@ -1,0 +1,101 @@
+"""Exact resume, end to end: a run killed with SIGKILL (driver, Ray and workers) after the step that
+follows a checkpoint, resumed with trainer.resume=auto, ends bit-identical to an uninterrupted run.
+
+Uses the HF generate engine on CPU: its sampling draws from the torch RNG that the checkpoint saves
+and restores. vLLM's sampler keeps its own generator state inside the engine, which is not
+checkpointed, so with rollout.engine=vllm a resumed run continues correctly but samples other tokens.
+Timing figures (timing/*, perf/*, weight_sync/seconds) are excluded from the comparison; every other
+metric and every weight must be equal bit for bit (fp32 on CPU, same world size, same order of
+operations).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+from safetensors.torch import load_file
+
+from conftest import read_metrics, run_main
+from test_e2e_grpo import TINY_OVERRIDES
+
+REWARD = os.path.join(os.path.dirname(__file__), "length_reward.py")
+TOTAL = 5
+
+
+def overrides(model_dir, run_dir, *extra):
+    return [*TINY_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "rollout.engine=hf",
+            f"trainer.total_steps={TOTAL}", "trainer.save_every=2", "trainer.max_checkpoints_to_keep=0",
+            "trainer.val_before_train=false", "actor.optim.lr=1e-3", f"reward.functions=[{{path:{REWARD}}}]",
+            "trainer.export_hf=true", *extra]
+
+
+def comparable(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(("timing/", "perf/")) and k != "weight_sync/seconds"}
+            for m in metrics]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver's session (it was started in its own) and every process it started (Ray)."""
+    family = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(family, timeout=30)
+
+
+def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir):
+    # 1. the reference: N steps uninterrupted
+    ref_dir = tmp_path / "reference"
+    result = run_main(overrides(tiny_model_dir, ref_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    # 2. the same run, killed with SIGKILL as soon as step 3 (after checkpoint step_2) is logged
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlframe.main", *overrides(tiny_model_dir, run_dir)],
+                                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None:
+                metrics_file = run_dir / "metrics.jsonl"
+                if metrics_file.exists() and '"step": 3' in metrics_file.read_text():
+                    break
+                time.sleep(0.02)
+            assert proc.poll() is None, "the run ended before it could be killed:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+            kill_tree(proc)
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert "step_2" in checkpoints and f"step_{TOTAL}" not in checkpoints, checkpoints
+    assert not (run_dir / "summary.json").exists()
+
+    # 3. resume: trainer.resume=auto picks the newest complete checkpoint
+    resumed = run_main(overrides(tiny_model_dir, run_dir, "trainer.resume=auto"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    newest = max(int(name.split("_")[1]) for name in checkpoints)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{newest}'} (step {newest})" in resumed.stdout
+    assert newest < TOTAL
+
+    # 4. identical per-step metrics (each step logged once) and identical final weights
+    ref_metrics, got_metrics = read_metrics(ref_dir), read_metrics(run_dir)
+    assert [m["step"] for m in got_metrics] == list(range(1, TOTAL + 1))
+    assert comparable(got_metrics) == comparable(ref_metrics)
+    assert all(m["actor/grad_norm"] > 0 for m in ref_metrics), "the test needs real updates"
+    ref_weights = load_file(str(ref_dir / "checkpoints" / f"step_{TOTAL}" / "actor" / "model.safetensors"))
+    got_weights = load_file(str(run_dir / "checkpoints" / f"step_{TOTAL}" / "actor" / "model.safetensors"))
+    assert ref_weights.keys() == got_weights.keys()
+    for name in ref_weights:
+        assert ref_weights[name].equal(got_weights[name]), name
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert not initial["model.embed_tokens.weight"].equal(got_weights["model.embed_tokens.weight"])
