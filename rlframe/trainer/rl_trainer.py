@@ -6,9 +6,15 @@
         batch  = score(batch)                                           # user reward functions
         batch  = batch.union(actor_rollout.compute_log_prob(batch))
         batch  = batch.union(ref.compute_ref_log_prob(batch))           # when KL is used
+        batch  = batch.union(critic.compute_values(batch))              # PPO (gae) only
+        batch  = token_level_rewards(batch)                             # scores (- beta * KL in reward)
         batch  = compute_advantage(batch)                               # pure function, here
-        actor_rollout.update_actor(batch)
+        critic.update_critic(batch)                                     # PPO (gae) only
+        actor_rollout.update_actor(batch)                               # after trainer.critic_warmup steps
         actor_rollout.sync_weights()                                    # new weights -> engines
+
+DAPO's dynamic sampling repeats the first two lines until the batch holds train_batch_size
+prompts whose rewards differ (`rollout_batch`); ReMax adds one greedy sample per prompt.
 
 Workers compute; this file decides what to compute.
 """
