@@ -149,6 +149,9 @@ class CriticConfig:
 
     model_path: Optional[str] = None  # default: the actor's model.path (the value head starts at zero)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    # The value head starts at zero; at the backbone's small LR it would need hundreds of steps to
+    # reach the reward scale, so it has its own LR (null: optim.lr).
+    head_lr: Optional[float] = 1e-3
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimiser step; default actor.ppo_mini_batch_size
     ppo_micro_batch_size_per_device: int = 4  # sequences per forward/backward
     forward_micro_batch_size_per_device: int = 16  # sequences per forward in compute_values

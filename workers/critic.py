@@ -37,6 +37,7 @@ class CriticSettings:
     """What `CriticModel.update` needs from the config."""
 
     lr: float = 1e-5
+    head_lr: float | None = 1e-3  # the value head's own LR (None: lr)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
@@ -110,7 +111,11 @@ class CriticModel:
         if self.sharded:
             shard_model(self.model, profile)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=tuple(settings.betas),
+        head = list(self.model.value_head.parameters())
+        head_ids = {id(p) for p in head}
+        groups = [{"params": [p for p in self.model.parameters() if id(p) not in head_ids], "lr": settings.lr},
+                  {"params": head, "lr": settings.head_lr or settings.lr}]
+        self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=tuple(settings.betas),
                                            weight_decay=settings.weight_decay)
         warmup = max(settings.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -161,7 +166,7 @@ class CriticModel:
                         values, micro.batch["values"].to(self.device), micro.batch["returns"].to(self.device),
                         micro.batch["response_mask"].to(self.device), cfg.cliprange_value, agg=agg)
                     (loss * world).backward()
-                    loss_sum += float(loss)
+                    loss_sum += float(loss.detach())
                     for key, value in metrics.items():
                         record(f"critic/{key}", value)
                 record("critic/vf_loss", _all_reduce_sum(loss_sum))
@@ -197,7 +202,7 @@ class CriticWorker:
         optim = critic["optim"]
         mini = critic["ppo_mini_batch_size"] or cfg["actor"]["ppo_mini_batch_size"]
         self.settings = CriticSettings(
-            lr=optim["lr"], weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]),
+            lr=optim["lr"], head_lr=critic["head_lr"], weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]),
             warmup_steps=optim["warmup_steps"], grad_clip=optim["grad_clip"],
             mini_batch_size=mini * rollout["n"] // world,
             micro_batch_size=critic["ppo_micro_batch_size_per_device"],
