@@ -176,6 +176,10 @@ class RolloutConfig:
     enable_sleep_mode: bool = True  # GPU only: free engine memory while the trainer trains
     enforce_eager: bool = True
     check_logprob_drift: bool = True
+    # Disaggregated placement (trainer.placement=disaggregated): data-parallel engines on their own
+    # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.
+    world_size: Optional[int] = None
+    weight_bucket_mb: int = 64  # bucket size of that broadcast
 
 
 @dataclass
@@ -206,6 +210,14 @@ class TimeoutConfig:
 
 
 @dataclass
+class RuntimeEnvConfig:
+    """What every worker on every node gets (Ray runtime_env): env vars and an uploaded working dir."""
+
+    env_vars: dict[str, str] = field(default_factory=dict)
+    working_dir: Optional[str] = None  # uploaded to every node; its files are importable there
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 20
     run_dir: Optional[str] = None  # default: runs/<experiment_name>-<timestamp>
@@ -223,6 +235,15 @@ class TrainerConfig:
     num_cpus: Optional[int] = None  # CPUs given to a local Ray cluster (default: all cores)
     cpus_per_worker: Optional[float] = None  # default: num_cpus / actor.world_size
     ray_address: Optional[str] = None
+    # Multi-node placement (rlframe/controller/placement.py, examples/multinode.md). colocated: actor,
+    # rollout and ref share every device; disaggregated: rollout engines on their own devices (nodes).
+    placement: str = "colocated"  # colocated | disaggregated
+    nnodes: int = 1
+    devices_per_node: Optional[int] = None  # GPUs (or CPU slots of cpus_per_worker) per node; None: legacy one-node pool
+    # Optional node pinning: one custom Ray resource per node (ray start --resources='{"node_a": 1}');
+    # node i's bundles go to the node that has node_resources[i]. Empty: Ray node ids picked by the driver.
+    node_resources: list[str] = field(default_factory=list)
+    runtime_env: RuntimeEnvConfig = field(default_factory=lambda: RuntimeEnvConfig())
     export_hf: bool = True
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     critic_warmup: int = 0  # PPO: the first N steps train only the critic (the actor is not updated)
@@ -322,6 +343,9 @@ def validate_config(cfg: RLConfig) -> None:
          "restarts resume from a checkpoint. Fix: set trainer.save_every >= 1 too")
     need(trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates", "must be >= 1")
     _validate_algorithm(cfg, need)
+    from rlframe.controller.placement import validate_placement
+
+    validate_placement(cfg, need)
     unknown_loggers = set(cfg.trainer.loggers) - {"console", "jsonl", "wandb", "tensorboard"}
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
     if problems:

@@ -97,12 +97,11 @@ def init_ray(cfg: RLConfig) -> None:
         return
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, runtime_env={"env_vars": env_vars})
-    else:
-        ray.init(num_cpus=cfg.trainer.num_cpus or os.cpu_count(), include_dashboard=False,
-                 runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    # Join RAY_ADDRESS / trainer.ray_address (e.g. auto) or start a local cluster; trainer.runtime_env
+    # (env vars, working dir) reaches every worker on every node.
+    from rlframe.controller.cluster import connect
+
+    connect(cfg, env_vars)
 
 
 def run(cfg: RLConfig) -> dict:
@@ -122,6 +121,12 @@ def run(cfg: RLConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
     init_ray(cfg)
+    from rlframe.controller.cluster import ClusterTooSmall, check_cluster
+
+    try:  # prints the nodes; too few devices is an error here, before any worker starts
+        check_cluster(cfg)
+    except ClusterTooSmall as err:
+        raise UsageError(str(err)) from None
     trainer = RLTrainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)
     try:
         summary = trainer.fit()

@@ -72,7 +72,7 @@ def _tokenizer_ids(model_path: str, trust_remote_code: bool) -> tuple[list[int],
 class ActorRolloutWorker:
     """The actor (training) and the rollout engine, sharing one process and its devices."""
 
-    def __init__(self, cfg: dict, model_path: str):
+    def __init__(self, cfg: dict, model_path: str, with_rollout: bool = True):
         self.cfg = cfg
         self.model_path = model_path
         self.profile = _profile(cfg)
@@ -97,6 +97,9 @@ class ActorRolloutWorker:
                                  gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
                                  offload_params=actor["offload_params"], offload_optimizer=actor["offload_optimizer"],
                                  trust_remote_code=trust, packed=_use_remove_padding(cfg, self.profile))
+        if not with_rollout:  # disaggregated placement: the engines live in their own worker group
+            self.rollout, self.rollout_engine = None, "none"
+            return
         eos_ids, pad_id = _tokenizer_ids(model_path, trust)
         max_len = data["max_prompt_length"] + data["max_response_length"]
         if self.profile.rollout_engine == "vllm":
@@ -132,6 +135,8 @@ class ActorRolloutWorker:
         sampling = SamplingSettings(
             max_new_tokens=self.cfg["data"]["max_response_length"], temperature=temperature,
             top_p=1.0 if plain else rollout["top_p"], top_k=-1 if plain else rollout["top_k"])
+        if not plain and "step" in meta:  # the same samples for a step and DP rank, whatever the placement
+            torch.manual_seed(self.cfg["trainer"]["seed"] * 1_000_003 + int(meta["step"]) * 1_009 + _rank())
         start = time.perf_counter()
         out = self.rollout.generate(prompts, sampling)
         elapsed = time.perf_counter() - start
@@ -181,7 +186,8 @@ class ActorRolloutWorker:
         self.actor.load_optimizer_state()
         info = load_policy(self.actor, in_dir)
         self.actor.offload_optimizer_state()
-        self.rollout.load_weights(iter_full_weights(self.actor.model, dtype=self.profile.dtype))
+        if self.rollout is not None:  # (disaggregated: the driver broadcasts to the engines afterwards)
+            self.rollout.load_weights(iter_full_weights(self.actor.model, dtype=self.profile.dtype))
         return {**info, "seconds": time.perf_counter() - start}
 
     def rollout_sleep(self) -> None:

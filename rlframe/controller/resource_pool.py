@@ -20,6 +20,8 @@ class ResourcePool:
         name: prefix of the placement group names (shows up in ``ray status``).
         node_resources: optional extra Ray resources per node entry, added to each of its bundles
             (e.g. ``[{"node:10.0.0.2": 0.001}]`` pins the entry to that node).
+        node_labels: optional Ray label selector per node entry, applied to each of its bundles
+            (e.g. ``[{"ray.io/node-id": node_id}]`` pins the entry to that node by id).
         ready_timeout_s: how long to wait for Ray to grant the reservation.
 
     Placement groups are created on first use (``bundles()``), so a pool can be built before Ray
@@ -34,6 +36,7 @@ class ResourcePool:
         name: str = "pool",
         node_resources: list[dict] | None = None,
         ready_timeout_s: float = 120,
+        node_labels: list[dict] | None = None,
     ):
         if not bundles_per_node or any(n <= 0 for n in bundles_per_node):
             raise ValueError(f"bundles_per_node must be a non-empty list of positive ints, got {bundles_per_node}")
@@ -44,6 +47,9 @@ class ResourcePool:
         self.gpus_per_bundle = gpus_per_bundle
         self.name = name
         self.node_resources = node_resources or [{} for _ in bundles_per_node]
+        if node_labels is not None and len(node_labels) != len(bundles_per_node):
+            raise ValueError("node_labels needs one dict per entry of bundles_per_node")
+        self.node_labels = node_labels
         self.ready_timeout_s = ready_timeout_s
         self._placement_groups: list[PlacementGroup] | None = None
 
@@ -77,7 +83,8 @@ class ResourcePool:
         if self._placement_groups is None:
             placement_groups = [
                 placement_group(
-                    [self.bundle_resources(i)] * n, strategy="STRICT_PACK", name=f"{self.name}_{i}"
+                    [self.bundle_resources(i)] * n, strategy="STRICT_PACK", name=f"{self.name}_{i}",
+                    **({"bundle_label_selector": [dict(self.node_labels[i])] * n} if self.node_labels else {}),
                 )
                 for i, n in enumerate(self.bundles_per_node)
             ]

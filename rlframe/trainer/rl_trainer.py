@@ -37,6 +37,7 @@ from rlframe.algos.batching import balanced_equal_size_partition
 from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
 from rlframe.controller import ResourcePool, WorkerError, WorkerGroup
+from rlframe.controller import placement
 from rlframe.data.dataset import RLDataset, collate_prompts
 from rlframe.data.sampler import StatefulSampler
 from rlframe.protocol import DataProto
@@ -108,6 +109,8 @@ class RLTrainer:
         from rlframe.workers.fsdp_workers import ActorRolloutWorker, RefWorker
 
         cfg = self.cfg
+        if placement.uses_placement(cfg):  # multi-node / disaggregated: rlframe/controller/placement.py
+            return placement.start_workers(self)
         world = cfg.actor.world_size
         total_cpus = ray.cluster_resources().get("CPU", 1)
         cpus = cfg.trainer.cpus_per_worker or max(total_cpus / world, 1) if cfg.trainer.device != "cuda" else 1

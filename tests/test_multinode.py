@@ -1,0 +1,189 @@
+"""Multi-node placement on a real two-node Ray cluster started with `ray start` (both raylets on this host).
+
+- disaggregated: actors (+ref) on node_a, HF rollout engines on node_b, weights broadcast after each
+  update; colocated: one actor+rollout+ref rank on each node. Placement is checked through Ray's
+  state API (actors' nodes and placement groups), not through our own logs.
+- both placements on the same seed sample the same responses (per-step, per-DP-rank seeds) and so
+  give the same step-1 loss;
+- asking for more than the cluster has fails before any worker starts, naming what is short.
+
+The cluster is ours alone (own ports, own temp dir) and is stopped by terminating our own
+`ray start --block` processes, also when a test fails (see tests/ray_cluster.py; no `ray stop`, which
+would kill other people's clusters on this machine).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics
+from ray_cluster import LocalRayCluster
+
+REWARD = os.path.join(os.path.dirname(__file__), "length_reward.py")  # varies per response: real updates
+MARK = "RLFRAME_MULTINODE_MARK"
+
+COMMON = [
+    "recipe=grpo_math", "trainer.total_steps=2", "data.arithmetic.n_train=64", "data.arithmetic.n_val=8",
+    "data.val_max_samples=8", "data.max_prompt_length=256", "data.max_response_length=16",
+    "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_device=4",
+    "rollout.n=2", "rollout.engine=hf", "trainer.val_before_train=false", "trainer.val_at_end=false",
+    "trainer.export_hf=false", "actor.optim.lr=1e-3", f"reward.functions=[{{path:{REWARD}}}]",
+    "trainer.nnodes=2", "trainer.node_resources=[node_a,node_b]", f"+trainer.runtime_env.env_vars.{MARK}=on",
+    "actor.world_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalRayCluster([{"node_a": 10}, {"node_b": 10}], cpus_per_node=2) as c:
+        yield c
+    assert not c.leftover_processes(), "processes of the test cluster survived its stop"
+
+
+def run_on_cluster(cluster: LocalRayCluster, args: list[str], cwd: Path, timeout: float = 900):
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "rlframe.main", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def worker_hosts(cluster: LocalRayCluster) -> dict[str, object]:
+    from ray.util.state import list_actors
+
+    return {a.actor_id: a for a in list_actors(address=cluster.dashboard_url, detail=True, limit=10000,
+                                               filters=[("class_name", "=", "WorkerHost")])}
+
+
+def placement_seen(cluster: LocalRayCluster, before: set[str]) -> dict[tuple[str, int], dict]:
+    """(group, rank) -> node tag (node_a / node_b), placement group name, runtime env, for the new hosts."""
+    from ray.util.state import list_nodes, list_placement_groups
+
+    tags = {n.node_id: next(k for k in ("node_a", "node_b") if k in n.resources_total)
+            for n in list_nodes(address=cluster.dashboard_url)}
+    pg_names = {pg.placement_group_id: pg.name for pg in list_placement_groups(address=cluster.dashboard_url, limit=10000)}
+    seen = {}
+    for actor_id, actor in worker_hosts(cluster).items():
+        if actor_id in before:
+            continue
+        match = re.match(r"WorkerHost\((\w+), rank=(\d+)/(\d+)", actor.repr_name or "")
+        assert match, f"unexpected actor repr {actor.repr_name!r}"
+        seen[(match.group(1), int(match.group(2)))] = {
+            "node": tags[actor.node_id], "pg": pg_names.get(actor.placement_group_id),
+            "env": str(actor.serialized_runtime_env)}
+    return seen
+
+
+def _train(cluster, tmp_path, model_dir, name: str, *extra: str):
+    before = set(worker_hosts(cluster))
+    run_dir = tmp_path / name
+    start = time.perf_counter()
+    result = run_on_cluster(cluster, [*COMMON, f"model.path={model_dir}", f"trainer.run_dir={run_dir}",
+                                      *extra], cwd=tmp_path)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, f"{name} failed:\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+    print(f"{name}: {elapsed:.0f}s", flush=True)
+    return read_metrics(run_dir), placement_seen(cluster, before), result
+
+
+def test_more_devices_than_the_cluster_has_fails_before_workers(cluster, tmp_path, tiny_model_dir):
+    before = set(worker_hosts(cluster))
+    result = run_on_cluster(cluster, [*COMMON, f"model.path={tiny_model_dir}", f"trainer.run_dir={tmp_path / 'run'}",
+                                      "trainer.devices_per_node=3", "trainer.placement=colocated",
+                                      "actor.world_size=6", "actor.ppo_micro_batch_size_per_device=1",
+                                      "data.train_batch_size=6", "actor.ppo_mini_batch_size=6"],
+                            cwd=tmp_path, timeout=300)
+    message = result.stdout + result.stderr
+    assert result.returncode != 0, message[-3000:]
+    assert "cannot hold trainer.nnodes=2 x trainer.devices_per_node=3" in message, message[-3000:]
+    assert re.search(r"CPU: node \w+ \(\S+\) has 2, needs 3", message), message[-3000:]
+    assert "workers:" not in result.stdout
+    assert set(worker_hosts(cluster)) == before  # not one worker was started
+
+
+def test_disaggregated_and_colocated_on_two_nodes(cluster, tmp_path, tiny_model_dir):
+    # Disaggregated: 2 trainer ranks fill node_a, 2 rollout engines fill node_b.
+    disagg, seen, result = _train(cluster, tmp_path, tiny_model_dir, "disaggregated", "trainer.placement=disaggregated",
+                                  "trainer.devices_per_node=2", "rollout.world_size=2")
+    assert "placement=disaggregated" in result.stdout
+    assert {k: v["node"] for k, v in seen.items()} == {
+        ("actor", 0): "node_a", ("actor", 1): "node_a", ("rollout", 0): "node_b", ("rollout", 1): "node_b"}
+    assert {k: v["pg"] for k, v in seen.items()} == {
+        ("actor", 0): "actor_0", ("actor", 1): "actor_0", ("rollout", 0): "rollout_0", ("rollout", 1): "rollout_0"}
+    assert all(MARK in v["env"] for v in seen.values())  # trainer.runtime_env reached every worker
+    for step in disagg:
+        assert step["weight_sync/seconds"] > 0
+    # lr=1e-3 moves the weights visibly at step 1 (kl to the ref > 0 at step 2); the engines on the other
+    # node still agree with the trainer at step 2: the broadcast delivered the new weights.
+    assert disagg[1]["actor/kl_loss"] > 1e-6
+    assert disagg[1]["rollout/logprob_abs_diff"] < 1e-3
+
+    # Colocated, spread over both nodes: one actor+rollout+ref rank per node.
+    coloc, seen, result = _train(cluster, tmp_path, tiny_model_dir, "colocated", "trainer.placement=colocated",
+                                 "trainer.devices_per_node=1")
+    assert {k: v["node"] for k, v in seen.items()} == {("colocated", 0): "node_a", ("colocated", 1): "node_b"}
+    assert {k: v["pg"] for k, v in seen.items()} == {("colocated", 0): "colocated_0", ("colocated", 1): "colocated_1"}
+    assert coloc[1]["rollout/logprob_abs_diff"] < 1e-3
+
+    # Same seed, same samples, same first-step loss, whatever the placement.
+    first_d, first_c = disagg[0], coloc[0]
+    assert first_d["step"] == first_c["step"] == 1
+    assert first_d["critic/score/mean"] == first_c["critic/score/mean"]
+    assert first_d["response_length/mean"] == first_c["response_length/mean"]
+    assert first_d["actor/pg_loss"] != 0.0
+    assert first_d["actor/pg_loss"] == pytest.approx(first_c["actor/pg_loss"], abs=1e-5, rel=1e-4)
+
+
+def _broadcast_rank(rank: int, port: int, world: int, results) -> None:
+    import torch
+
+    from rlframe.workers.weight_broadcast import WeightReceiver, WeightSender, make_process_group, weight_spec
+
+    torch.manual_seed(0)
+    state = {"embed.weight": torch.randn(50, 8), "norm.weight": torch.randn(8), "steps": torch.arange(3),
+             "head.weight": torch.randn(8, 50)}
+    group = make_process_group("127.0.0.1", port, rank, world, timeout_s=60)
+    specs = weight_spec(state)
+    if rank == 0:
+        results.put((rank, WeightSender(group, specs, bucket_bytes=1024).send(state.items())))
+        return
+    got = {}
+
+    def load(weights):
+        got.update({name: t.clone() for name, t in weights})
+        return len(weights)
+
+    stats = WeightReceiver(group, specs, bucket_bytes=1024).receive(load)
+    results.put((rank, {**stats, "equal": all(torch.equal(got[k], v) for k, v in state.items())}))
+
+
+def test_bucketed_weight_broadcast_over_a_standalone_group():
+    """Sender + 2 receivers, buckets of ~1 KiB (dtype changes start a new bucket); exact copies arrive."""
+    from rlframe.controller.worker_host import find_free_port
+    from rlframe.workers.weight_broadcast import TensorSpec, plan_buckets
+
+    import torch
+
+    specs = [TensorSpec("a", (100,), torch.float32), TensorSpec("b", (200,), torch.float32),
+             TensorSpec("i", (3,), torch.int64), TensorSpec("c", (10,), torch.float32)]
+    assert [[s.name for s in b] for b in plan_buckets(specs, 1024)] == [["a"], ["b"], ["i"], ["c"]]
+    assert [[s.name for s in b] for b in plan_buckets(specs, 1 << 20)] == [["a", "b"], ["i"], ["c"]]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, 3, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    out = dict(results.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert out[0]["buckets"] == 4 and out[0]["tensors"] == 4
+    for rank in (1, 2):
+        assert out[rank]["equal"] and out[rank]["loaded"] == 4 and out[rank]["bytes"] == out[0]["bytes"]

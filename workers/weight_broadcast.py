@@ -1,0 +1,172 @@
+"""Trainer -> rollout engines weight sync for disaggregated placement, over a standalone process group.
+
+In the colocated (hybrid) engine the weights move inside one process. When the rollout engines
+live on their own devices (their own nodes), the trainer's rank 0 broadcasts the full weights to
+every rollout rank after each update:
+
+    group ranks:   0 = trainer rank 0,   1 .. R = rollout ranks 0 .. R-1
+
+The group is built directly from a ``TCPStore`` (hosted by trainer rank 0) and
+``ProcessGroupGloo`` / ``ProcessGroupNCCL``, so neither side's default process group (the trainer's
+FSDP world, the engines' own world) is touched or even needs to know about the other.
+
+Weights travel in buckets: consecutive tensors of one dtype are flattened into one buffer of about
+``bucket_bytes``, so a model of thousands of small tensors costs a few dozen collectives, not
+thousands. The tensor list (names, shapes, dtypes) is fixed for a run: the trainer computes it
+once (``weight_spec``) and both sides derive the same buckets from it (``plan_buckets``); only raw
+bytes cross the wire afterwards. Receivers hand each bucket to ``engine.load_weights`` as views of
+the buffer (no extra copy on the receiving side).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def weight_spec(state_dict: dict, dtype: torch.dtype | None = None) -> list[TensorSpec]:
+    """The (name, global shape, wire dtype) of every tensor, in ``iter_full_weights`` order.
+
+    FSDP2 DTensors report their global shape, so no gather is needed. Floating tensors travel in
+    ``dtype`` when given (what ``iter_full_weights(model, dtype)`` yields).
+    """
+    specs = []
+    for name, tensor in state_dict.items():
+        wire = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        specs.append(TensorSpec(name, tuple(tensor.shape), wire))
+    return specs
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[TensorSpec]]:
+    """Split the tensor list into consecutive runs of one dtype of about ``bucket_bytes`` each.
+
+    A tensor larger than a bucket gets a bucket of its own. Both sides call this on the same list,
+    so they agree on the buckets without exchanging anything.
+    """
+    buckets: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for spec in specs:
+        if current and (spec.dtype != current[0].dtype or size + spec.nbytes > bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += spec.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def make_process_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                       timeout_s: float = 600, group_name: str = "rlframe_weight_sync"):
+    """A process group of its own (not registered as any default group), rendezvous at host:port.
+
+    Rank 0 hosts the TCPStore. Every rank must call this at about the same time: the constructor
+    waits for all ``world_size`` members.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
+                                       wait_for_workers=False)
+    store = torch.distributed.PrefixStore(group_name, store)
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
+    return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+class WeightSender:
+    """Trainer side (group rank 0): broadcast the full weights bucket by bucket."""
+
+    def __init__(self, process_group, specs: list[TensorSpec], device: str = "cpu",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.process_group = process_group
+        self.specs = specs
+        self.device = torch.device(device)
+        self.buckets = plan_buckets(specs, bucket_bytes)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """Broadcast ``weights`` (an iterator in spec order, e.g. ``iter_full_weights``); returns stats."""
+        stream = iter(weights)
+        sent_bytes = 0
+        for bucket in self.buckets:
+            parts = []
+            for spec in bucket:
+                name, tensor = next(stream)
+                if name != spec.name or tuple(tensor.shape) != spec.shape:
+                    raise RuntimeError(f"weight stream out of order: got {name} {tuple(tensor.shape)}, "
+                                       f"expected {spec.name} {spec.shape} (did the model change after setup?)")
+                parts.append(tensor.to(device=self.device, dtype=spec.dtype).reshape(-1))
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+            self.process_group.broadcast([flat], _root(0)).wait()
+            sent_bytes += flat.numel() * flat.element_size()
+        return {"buckets": len(self.buckets), "tensors": len(self.specs), "bytes": sent_bytes}
+
+
+class WeightReceiver:
+    """Rollout side (group rank >= 1): receive each bucket and load it into the engine."""
+
+    def __init__(self, process_group, specs: list[TensorSpec], device: str = "cpu",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.process_group = process_group
+        self.specs = specs
+        self.device = torch.device(device)
+        self.buckets = plan_buckets(specs, bucket_bytes)
+
+    def receive(self, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], int]) -> dict:
+        """Receive all buckets, calling ``load_weights(list of (name, tensor))`` once per bucket."""
+        loaded = 0
+        received_bytes = 0
+        for bucket in self.buckets:
+            numel = sum(spec.numel for spec in bucket)
+            flat = torch.empty(numel, dtype=bucket[0].dtype, device=self.device)
+            self.process_group.broadcast([flat], _root(0)).wait()
+            received_bytes += flat.numel() * flat.element_size()
+            loaded += load_weights(list(_unflatten(flat, bucket))) or 0
+        return {"buckets": len(self.buckets), "tensors": len(self.specs), "loaded": loaded, "bytes": received_bytes}
+
+
+def _unflatten(flat: torch.Tensor, bucket: list[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+    offset = 0
+    for spec in bucket:
+        yield spec.name, flat[offset: offset + spec.numel].view(spec.shape)
+        offset += spec.numel
+
+
+def _root(rank: int):
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = rank
+    opts.rootTensor = 0
+    return opts
+
+
+def specs_to_wire(specs: list[TensorSpec]) -> list[tuple[str, tuple[int, ...], str]]:
+    """A plain-Python form (for Ray arguments); ``specs_from_wire`` reverses it."""
+    return [(s.name, s.shape, str(s.dtype).removeprefix("torch.")) for s in specs]
+
+
+def specs_from_wire(wire: list) -> list[TensorSpec]:
+    return [TensorSpec(name, tuple(shape), getattr(torch, dtype)) for name, shape, dtype in wire]
