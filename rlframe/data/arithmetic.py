@@ -35,7 +35,11 @@ import pyarrow.parquet as pq
 DATA_SOURCE = "arithmetic"
 
 # Appended to every question. Recipes and tests import it instead of repeating the text.
-INSTRUCTION = "Put your final answer as a number inside \\boxed{}, for example \\boxed{5}."
+# No concrete number in the example: with "for example \\boxed{5}" the policy learned to answer
+# \\boxed{5} to everything (format credit, and right whenever the answer is 5). Measured with
+# SmolLM2-135M on 64 problems: this wording gives 23% greedy accuracy and 15% at temperature 0.5
+# (vs 8% and 5% for the "for example \\boxed{5}" wording), a denser signal for GRPO.
+INSTRUCTION = "End your reply with: The answer is \\boxed{your number}."
 
 NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Emma", "Leo", "Zoe"]
 OBJECTS = ["apples", "books", "coins", "pencils", "cookies", "stickers", "marbles", "cards"]
