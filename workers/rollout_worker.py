@@ -79,7 +79,8 @@ class RolloutWorker:
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self) -> dict:
         start = time.perf_counter()
-        stats = self.receiver.receive(self.rollout.load_weights)
+        # HF copies bucket by bucket; vLLM reloads (and repacks) the whole model in one call.
+        stats = self.receiver.receive(self.rollout.load_weights, per_bucket=self.rollout_engine != "vllm")
         return {**stats, "seconds": time.perf_counter() - start}
 
 

@@ -136,16 +136,27 @@ class WeightReceiver:
         self.device = torch.device(device)
         self.buckets = plan_buckets(specs, bucket_bytes)
 
-    def receive(self, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], int]) -> dict:
-        """Receive all buckets, calling ``load_weights(list of (name, tensor))`` once per bucket."""
+    def receive(self, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], int],
+                per_bucket: bool = True) -> dict:
+        """Receive all buckets, calling ``load_weights(list of (name, tensor))`` once per bucket.
+
+        ``per_bucket=False`` calls it once with every tensor instead, for engines whose reload wants
+        the whole model at once (vLLM's ``reload_weights`` post-processes, e.g. repacks, after each call).
+        """
         loaded = 0
         received_bytes = 0
+        pending: list[tuple[str, torch.Tensor]] = []
         for bucket in self.buckets:
             numel = sum(spec.numel for spec in bucket)
-            flat = torch.empty(numel, dtype=bucket[0].dtype, device=self.device)
+            flat = torch.empty(numel, dtype=bucket[0].dtype, device=self.device)  # fresh: views stay valid
             self.process_group.broadcast([flat], _root(0)).wait()
             received_bytes += flat.numel() * flat.element_size()
-            loaded += load_weights(list(_unflatten(flat, bucket))) or 0
+            if per_bucket:
+                loaded += load_weights(list(_unflatten(flat, bucket))) or 0
+            else:
+                pending.extend(_unflatten(flat, bucket))
+        if pending:
+            loaded += load_weights(pending) or 0
         return {"buckets": len(self.buckets), "tensors": len(self.specs), "loaded": loaded, "bytes": received_bytes}
 
 
