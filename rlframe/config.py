@@ -322,7 +322,9 @@ def validate_config(cfg: RLConfig) -> None:
     if data.source == "files":
         need(bool(data.train_files), "data.train_files", "data.source=files needs at least one train file")
         for f in list(data.train_files) + list(data.val_files):
-            need(Path(f).exists(), "data.train_files/val_files", f"'{f}' does not exist")
+            need(Path(f).exists(), "data.train_files/val_files",
+                 f"'{f}' does not exist. Fix: create it (e.g. python examples/data_preprocess/gsm8k.py "
+                 "--input_dir ../shared/data/gsm8k --output_dir data/gsm8k) or point the key at your file")
     need(actor.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
          "actor.loss_agg_mode", f"'{actor.loss_agg_mode}' is not a known aggregation mode")
     need(0 < actor.clip_ratio_low < 1 and actor.clip_ratio_high > 0, "actor.clip_ratio_low/high",
