@@ -1,0 +1,144 @@
+"""Check the GPU path of the actor without Ray or vLLM, and print figures (one prepared script).
+
+    python examples/benchmark/gpu_check.py                 # CUDA: ~0.5B Qwen2-shaped random model
+    python examples/benchmark/gpu_check.py --size tiny --device cpu   # the same script on a CPU (smoke test)
+
+1. correctness: response log-probs of the sharded bf16 actor (FSDP2 mixed precision, SDPA or
+   flash-attn) vs an fp32 copy on small inputs; packed (varlen) vs padded forward;
+2. speed: `update` on a synthetic rollout batch, a few steps: tokens/s and model FLOPs utilisation
+   against the bf16 (GPU) / fp32 (CPU) matmul peak measured here.
+Figures are printed and written as JSON to $OUT/gpu_check.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SIZES = {  # Qwen2-shaped configs
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+}
+
+
+def build_model_dir(size: str) -> tuple[str, int]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SIZES[size], max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    out = tempfile.mkdtemp(prefix=f"gpu_check_{size}_")
+    model.save_pretrained(out, safe_serialization=True)
+    return out, sum(p.numel() for p in model.parameters())
+
+
+def synthetic_batch(vocab: int, batch: int, prompt: int, response: int):
+    from rlframe.protocol import DataProto
+
+    g = torch.Generator().manual_seed(0)
+    prompt_mask = torch.ones(batch, prompt, dtype=torch.long)
+    prompt_mask[::2, : prompt // 3] = 0
+    response_mask = torch.ones(batch, response)
+    response_mask[1::2, response // 2:] = 0
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], 1)
+    ids = torch.randint(0, vocab, (batch, prompt + response), generator=g)
+    return DataProto.from_dict(tensors={
+        "input_ids": ids, "responses": ids[:, prompt:], "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "response_mask": response_mask,
+        "advantages": torch.randn(batch, 1, generator=g).expand(batch, response) * response_mask,
+        "old_log_probs": -torch.rand(batch, response, generator=g), "ref_log_prob": -torch.rand(batch, response, generator=g),
+    })
+
+
+def matmul_peak_tflops(device: str, dtype: torch.dtype, size: int = 8192 if torch.cuda.is_available() else 1024) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 20 if device == "cuda" else 3
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", choices=list(SIZES), default="0.5b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--response", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+
+    from rlframe.device import detect_profile
+    from rlframe.workers.actor import PolicyModel, UpdateSettings
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    model_dir, n_params = build_model_dir(args.size)
+    profile = detect_profile(args.device, "auto", "auto", "hf")
+    figures: dict = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                     "params": n_params, "dtype": str(profile.dtype), "attention": profile.attn_implementation}
+
+    # 1. correctness on small inputs: sharded (bf16 on GPU) vs fp32 reference, packed vs padded
+    small = synthetic_batch(SIZES[args.size]["vocab_size"], batch=4, prompt=32, response=32)
+    actor = PolicyModel(model_dir, profile, train=UpdateSettings(lr=1e-6, mini_batch_size=args.batch,
+                                                                 micro_batch_size=4), packed=False)
+    fp32_profile = detect_profile("cpu", "float32", "sdpa", "hf")
+    reference = PolicyModel(model_dir, fp32_profile, train=None)
+    mask = small.batch["response_mask"]
+    lp_actor, _ = actor.compute_log_prob(small, 4)
+    lp_ref, _ = reference.compute_log_prob(small, 4)
+    figures["logprob_max_abs_diff_vs_fp32"] = float(((lp_actor.float().cpu() - lp_ref) * mask).abs().max())
+    actor.packed = True
+    lp_packed, _ = actor.compute_log_prob(small, 4)
+    actor.packed = profile.is_gpu
+    figures["packed_vs_padded_max_abs_diff"] = float(((lp_packed.cpu() - lp_actor.cpu()) * mask).abs().max())
+    del reference
+
+    # 2. speed: a few PPO updates on a full-size synthetic batch
+    batch = synthetic_batch(SIZES[args.size]["vocab_size"], args.batch, args.prompt, args.response)
+    tokens = int(batch.batch["attention_mask"].sum())
+    times = []
+    for step in range(args.steps):
+        sync(args.device)
+        start = time.perf_counter()
+        actor.update(batch, seed=step)
+        sync(args.device)
+        times.append(time.perf_counter() - start)
+    best = min(times[1:] or times)
+    figures["update_tokens_per_s"] = tokens / best
+    achieved = 6 * n_params * tokens / best / 1e12
+    peak = matmul_peak_tflops(args.device, profile.dtype)
+    figures.update(achieved_tflops=achieved, matmul_peak_tflops=peak, mfu=achieved / peak,
+                   peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None)
+    for key, value in figures.items():
+        print(f"{key:>32}: {value}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(figures, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
