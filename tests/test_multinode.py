@@ -113,6 +113,9 @@ def test_disaggregated_and_colocated_on_two_nodes(cluster, tmp_path, tiny_model_
     disagg, seen, result = _train(cluster, tmp_path, tiny_model_dir, "disaggregated", "trainer.placement=disaggregated",
                                   "trainer.devices_per_node=2", "rollout.world_size=2")
     assert "placement=disaggregated" in result.stdout
+    logs = result.stdout + result.stderr  # every worker's output reaches the driver, prefixed by group, rank, roles
+    assert "WorkerHost(rollout, rank=1/2, roles=['rollout'])" in logs
+    assert "WorkerHost(actor, rank=1/2, roles=['actor_rollout', 'ref'])" in logs
     assert {k: v["node"] for k, v in seen.items()} == {
         ("actor", 0): "node_a", ("actor", 1): "node_a", ("rollout", 0): "node_b", ("rollout", 1): "node_b"}
     assert {k: v["pg"] for k, v in seen.items()} == {

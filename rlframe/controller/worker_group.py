@@ -200,7 +200,7 @@ class WorkerGroup:
             if runtime_env:
                 options["runtime_env"] = runtime_env
             hosts.append(_WorkerHost.options(**options).remote(
-                rank, self.world_size, local_rank, local_world_size, self.pool.cpus_per_bundle, self.name
+                rank, self.world_size, local_rank, local_world_size, self.pool.cpus_per_bundle, self.name, list(self.roles)
             ))
         return hosts
 

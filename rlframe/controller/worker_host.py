@@ -45,8 +45,9 @@ class WorkerHost:
     """Plain version of the host; ``_WorkerHost`` below is its Ray actor class."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int, local_world_size: int, num_cpus: float,
-                 group_name: str = "rlframe"):
+                 group_name: str = "rlframe", role_names: list[str] | None = None):
         self.group_name = group_name
+        self.role_names = list(role_names or [])  # for the log prefix, before the roles are built
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -59,7 +60,8 @@ class WorkerHost:
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this.
-        return f"WorkerHost({self.group_name}, rank={self.rank}/{self.world_size}, roles={list(self.roles)})"
+        roles = list(self.roles) or self.role_names
+        return f"WorkerHost({self.group_name}, rank={self.rank}/{self.world_size}, roles={roles})"
 
     def info(self) -> dict:
         """Where this rank runs; rank 0 also offers a free port for the process group."""
