@@ -128,9 +128,13 @@ def test_disaggregated_and_colocated_on_two_nodes(cluster, tmp_path, tiny_model_
     assert disagg[1]["actor/kl_loss"] > 1e-6
     assert disagg[1]["rollout/logprob_abs_diff"] < 1e-3
 
-    # Colocated, spread over both nodes: one actor+rollout+ref rank per node.
+    # Colocated, spread over both nodes: one actor+rollout+ref rank per node; a user folder shipped to every node.
+    user_code = tmp_path / "user_code"
+    user_code.mkdir()
+    (user_code / "my_helpers.py").write_text("VALUE = 1\n")
     coloc, seen, result = _train(cluster, tmp_path, tiny_model_dir, "colocated", "trainer.placement=colocated",
-                                 "trainer.devices_per_node=1")
+                                 "trainer.devices_per_node=1", f"trainer.runtime_env.working_dir={user_code}")
+    assert all("working_dir" in v["env"] and MARK in v["env"] for v in seen.values())
     assert {k: v["node"] for k, v in seen.items()} == {("colocated", 0): "node_a", ("colocated", 1): "node_b"}
     assert {k: v["pg"] for k, v in seen.items()} == {("colocated", 0): "colocated_0", ("colocated", 1): "colocated_1"}
     assert coloc[1]["rollout/logprob_abs_diff"] < 1e-3
