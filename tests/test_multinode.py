@@ -236,3 +236,30 @@ def test_bucketed_weight_broadcast_over_a_standalone_group():
     assert out[0]["buckets"] == 4 and out[0]["tensors"] == 4
     for rank in (1, 2):
         assert out[rank]["equal"] and out[rank]["loaded"] == 4 and out[rank]["bytes"] == out[0]["bytes"]
+
+
+def test_cluster_check_names_what_is_short_where():
+    """check_cluster on a described cluster (no Ray needed): each shortage names the resource and the node."""
+    from rlframe.config import RLConfig
+    from rlframe.controller.cluster import ClusterTooSmall, NodeInfo, check_cluster
+
+    nodes = [NodeInfo("aaaaaaaa11", "10.0.0.1", {"CPU": 16, "GPU": 8}, is_head=True, custom={"trainer_node": 1}),
+             NodeInfo("bbbbbbbb22", "10.0.0.2", {"CPU": 16, "GPU": 4, "rollout_node": 1}, custom={"rollout_node": 1})]
+    nodes[0].resources["trainer_node"] = 1
+    cfg = RLConfig()
+    cfg.trainer.device, cfg.trainer.nnodes, cfg.trainer.devices_per_node = "cuda", 2, 8
+    cfg.trainer.placement, cfg.actor.world_size, cfg.rollout.world_size = "disaggregated", 8, 8
+    with pytest.raises(ClusterTooSmall) as error:
+        check_cluster(cfg, nodes, quiet=True)
+    assert "1 of 2 node(s) fit, 2 needed" in str(error.value)
+    assert "GPU: node bbbbbbbb (10.0.0.2) has 4, needs 8" in str(error.value)
+    cfg.trainer.devices_per_node, cfg.actor.world_size, cfg.rollout.world_size = 4, 4, 4
+    assert [n.ip for n in check_cluster(cfg, nodes, quiet=True)] == ["10.0.0.1", "10.0.0.2"]
+    cfg.trainer.node_resources = ["rollout_node", "gpu_node_c"]
+    with pytest.raises(ClusterTooSmall) as error:
+        check_cluster(cfg, nodes, quiet=True)
+    assert "no node carries the custom resource 'gpu_node_c' (trainer.node_resources[1])" in str(error.value)
+    cfg.trainer.nnodes, cfg.trainer.node_resources = 3, []
+    with pytest.raises(ClusterTooSmall) as error:
+        check_cluster(cfg, nodes, quiet=True)
+    assert "nodes: the cluster has 2, trainer.nnodes asks for 3" in str(error.value)
