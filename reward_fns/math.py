@@ -20,8 +20,11 @@ returns ``{"score": float, "acc": 0.0|1.0, "format": 0.0|1.0, "pred": str | None
    Other ground truths (``\\sqrt{2}/2``, ``x^2+1``) are compared symbolically when sympy is
    installed (``sympy.simplify(a - b) == 0`` on sympify-able strings; any sympy error means
    "not equal").
-3. Score: 1.0 if correct; else FORMAT_SCORE if the answer came in the requested ``\\boxed{}``
-   format; else 0.0. ``format`` is 1.0 whenever a ``\\boxed{}`` answer was found.
+3. Score: a correct answer earns 1.0 in the requested ``\\boxed{}`` format and 1.0 - FORMAT_SCORE
+   in any other recognised form; a wrong or missing answer earns 0.0. The format credit rides on
+   correctness on purpose: when it was paid for boxing any answer, a small policy learned to box
+   one constant for every question (format credit, and right whenever the constant was). ``format``
+   is 1.0 whenever a ``\\boxed{}`` answer was found.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ try:  # sympy is optional: without it only the numeric comparison runs
 except ImportError:  # pragma: no cover
     sympy = None
 
-FORMAT_SCORE = 0.1  # reward for a wrong answer given in the requested \boxed{} format
+FORMAT_SCORE = 0.1  # share of a correct answer's score that depends on the requested \boxed{} format
 CORRECT_SCORE = 1.0
 MAX_SYMPY_CHARS = 100  # longer strings skip sympy (simplify can be very slow on big inputs)
 
@@ -204,10 +207,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> d
     """Score one response; see the module docstring."""
     pred, boxed = extract_answer(solution_str or "")
     correct = pred is not None and is_equiv(pred, ground_truth)
-    if correct:
-        score = CORRECT_SCORE
-    elif boxed:
-        score = FORMAT_SCORE
-    else:
+    if not correct:
         score = 0.0
+    else:
+        score = CORRECT_SCORE if boxed else CORRECT_SCORE - FORMAT_SCORE
     return {"score": score, "acc": float(correct), "format": float(boxed), "pred": pred}

@@ -49,7 +49,7 @@ def test_per_sample_math_in_workers():
         result = manager.score(["\\boxed{12}", "\\boxed{3}", "no idea"], ["12", "4", "5"],
                                ["arithmetic"] * 3)
     assert result.scores.dtype == np.float64
-    np.testing.assert_allclose(result.scores, [1.0, 0.1, 0.0])
+    np.testing.assert_allclose(result.scores, [1.0, 0.0, 0.0])
     np.testing.assert_allclose(result.extras["acc"], [1, 0, 0])
     np.testing.assert_allclose(result.extras["format"], [1, 1, 0])
     assert list(result.extras["pred"]) == ["12", "3", None]
@@ -71,9 +71,9 @@ def test_batch_form_weights_and_routing(tmp_path):
     with RewardManager(specs, num_workers=2) as manager:
         result = manager.score(["\\boxed{1}", "\\boxed{2}", "abcde"], ["1", "3", "x"],
                                ["arithmetic", "gsm8k", "prose"], response_lengths=[3, 4, 5])
-    # row 0: math only = 2*1; row 1: 2*0.1 + 0.5*0.9; row 2: 0.5*0.5
-    np.testing.assert_allclose(result.scores, [2.0, 0.2 + 0.45, 0.25])
-    np.testing.assert_allclose(result.extras["math/score"], [1.0, 0.1, np.nan])
+    # row 0: math only = 2*1; row 1: 2*0 (wrong) + 0.5*0.9; row 2: 0.5*0.5
+    np.testing.assert_allclose(result.scores, [2.0, 0.45, 0.25])
+    np.testing.assert_allclose(result.extras["math/score"], [1.0, 0.0, np.nan])
     np.testing.assert_allclose(result.extras["lengthy/len"], [np.nan, 4, 5])
     assert list(result.extras["lengthy/source_seen"]) == [None, "gsm8k", "prose"]
     assert result.metrics["reward/math/acc_mean"] == pytest.approx(0.5)
