@@ -201,6 +201,20 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A model-based reward (HF sequence-classification RM, num_labels=1) added to the rule rewards:
+    score = sum of weighted reward functions + weight * rm_score. Runs colocated with the actor."""
+
+    enable: bool = False
+    path: str = ""
+    weight: float = 1.0
+    max_length: int = 2048
+    micro_batch_size: int = 8
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass
 class TimeoutConfig:
     rollout: float = 1800.0
     log_prob: float = 1800.0
@@ -271,6 +285,7 @@ class RLConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -331,6 +346,9 @@ def validate_config(cfg: RLConfig) -> None:
          "clip ratios must be in (0, 1) for low and > 0 for high")
     need(cfg.trainer.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     need(cfg.trainer.device in ("auto", "cpu", "cuda"), "trainer.device", "must be auto, cpu or cuda")
+    if cfg.reward_model.enable:
+        need(bool(cfg.reward_model.path) and is_resolvable(cfg.reward_model.path), "reward_model.path",
+             f"'{cfg.reward_model.path}' is not a model folder or hub id. Fix: reward_model.path=/path/to/rm")
     for i, fn in enumerate(cfg.reward.functions):
         need(Path(fn.path).exists(), f"reward.functions[{i}].path",
              f"'{fn.path}' does not exist. Fix: point it at your reward script (e.g. reward_fns/math.py).")

@@ -114,3 +114,28 @@ def test_grpo_math_learns_on_embedded_default(tmp_path):
     first, last = metrics[0], metrics[-1]
     assert last["val/reward_mean"] >= first["val/reward_mean"] + 0.10
     assert last["val/accuracy"] >= first["val/accuracy"]
+
+
+def test_grpo_with_reward_model(tmp_path, tiny_model_dir):
+    """A sequence-classification reward model in its own role, added to the rule-based reward."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from helpers_tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"
+    LlamaForSequenceClassification(config).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    run_dir, result = _run(tmp_path, tiny_model_dir, "rollout.engine=hf", "reward_model.enable=true",
+                           f"reward_model.path={rm_dir}", "reward_model.weight=0.5")
+    metrics = _check_run(run_dir, result)
+    for step in metrics[1:]:
+        assert math.isfinite(step["reward/rm_score_mean"])
+        # the step's score is the rule reward plus 0.5 x the RM score
+        assert step["critic/score/mean"] == pytest.approx(step["reward/score_mean"] + 0.5 * step["reward/rm_score_mean"],
+                                                          abs=1e-5)

@@ -120,6 +120,12 @@ class RLTrainer:
         roles = {"actor_rollout": (ActorRolloutWorker, {"cfg": worker_cfg, "model_path": self.model_path})}
         if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             roles["ref"] = (RefWorker, {"cfg": worker_cfg, "model_path": self.model_path})
+        if cfg.reward_model.enable:
+            from rlframe.models.provision import resolve_model_path
+            from rlframe.workers.reward_model_worker import RewardModelWorker
+
+            roles["reward_model"] = (RewardModelWorker, {"cfg": worker_cfg,
+                                                         "model_path": resolve_model_path(cfg.reward_model.path)})
         if cfg.algorithm.adv_estimator == "gae":
             from rlframe.models.provision import resolve_model_path
             from rlframe.workers.critic import CriticWorker
@@ -132,6 +138,7 @@ class RLTrainer:
         self.actor_rollout = self.workers.role("actor_rollout")
         self.ref = self.workers.role("ref") if "ref" in roles else None
         self.critic = self.workers.role("critic") if "critic" in roles else None
+        self.reward_model = self.workers.role("reward_model") if "reward_model" in roles else None
         info = self.actor_rollout.describe()
         print(f"workers: {world} x ActorRollout{'+Ref' if self.ref else ''}{'+Critic' if self.critic else ''} "
               f"(engine={info[0]['engine']}, device={info[0]['device']}, dtype={info[0]['dtype']}, "
@@ -297,9 +304,15 @@ class RLTrainer:
         nt = batch.non_tensor_batch
         result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]),
                                     response_lengths=batch.batch["response_mask"].sum(-1).long().tolist())
-        batch.batch["token_level_scores"] = place_scores_on_last_token(result.scores, batch.batch["response_mask"])
+        scores = result.scores
         metrics = dict(result.metrics)
-        metrics["critic/score/mean"] = float(np.mean(result.scores))
+        if self.reward_model is not None:  # model-based reward on top of the rule-based ones
+            rm_input = DataProto.from_dict(non_tensors={"raw_prompt": list(nt["raw_prompt"]), "responses_text": texts})
+            rm_scores = self.reward_model.compute_rm_score(rm_input).batch["rm_scores"].double().numpy()
+            scores = scores + self.cfg.reward_model.weight * rm_scores
+            metrics["reward/rm_score_mean"] = float(rm_scores.mean())
+        batch.batch["token_level_scores"] = place_scores_on_last_token(scores, batch.batch["response_mask"])
+        metrics["critic/score/mean"] = float(np.mean(scores))
         if "acc" in result.extras:
             metrics["critic/accuracy"] = float(np.nanmean(result.extras["acc"].astype(float)))
         return batch, metrics
