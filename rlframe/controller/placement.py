@@ -172,14 +172,22 @@ class DisaggregatedActorRollout:
 
 
 def trainer_roles(cfg, worker_cfg: dict, model_path: str, actor_cls) -> dict:
-    """The roles of the trainer pool: the actor class given, + ref (KL), + critic (gae)."""
+    """The roles of the trainer pool: the actor class given, + ref (KL), + reward model, + critic (gae).
+
+    Keep in step with RLTrainer._start_workers (the classic one-node path builds the same roles).
+    """
+    from rlframe.models.provision import resolve_model_path
     from rlframe.workers.fsdp_workers import RefWorker
 
     roles = {"actor_rollout": (actor_cls, {"cfg": worker_cfg, "model_path": model_path})}
     if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         roles["ref"] = (RefWorker, {"cfg": worker_cfg, "model_path": model_path})
+    reward_model = getattr(cfg, "reward_model", None)
+    if reward_model is not None and reward_model.enable:
+        from rlframe.workers.reward_model_worker import RewardModelWorker
+
+        roles["reward_model"] = (RewardModelWorker, {"cfg": worker_cfg, "model_path": resolve_model_path(reward_model.path)})
     if cfg.algorithm.adv_estimator == "gae":
-        from rlframe.models.provision import resolve_model_path
         from rlframe.workers.critic import CriticWorker
 
         critic_path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_path
@@ -231,6 +239,7 @@ def start_workers(trainer) -> None:
     group = trainer.workers.groups[0]
     trainer.ref = group.role("ref") if "ref" in group.roles else None
     trainer.critic = group.role("critic") if "critic" in group.roles else None
+    trainer.reward_model = group.role("reward_model") if "reward_model" in group.roles else None
     trainer.placement_info = describe_placement(plans, trainer.workers.groups, nodes)
     elapsed = time.perf_counter() - start
     trainer.phase_times["init_workers"] = trainer.phase_times.get("init_workers", 0.0) + elapsed
