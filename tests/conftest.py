@@ -53,3 +53,28 @@ def run_main(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Com
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# A 2-step run on the tiny model: small data, short responses, 2 samples per prompt.
+TINY_RUN_OVERRIDES = [
+    "trainer.total_steps=2",
+    "data.arithmetic.n_train=64",
+    "data.arithmetic.n_val=8",
+    "data.val_max_samples=8",
+    "data.max_prompt_length=256",
+    "data.max_response_length=16",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=4",
+    "actor.ppo_micro_batch_size_per_device=4",
+    "rollout.n=2",
+    "trainer.num_cpus=4",
+]
+
+
+def run_tiny(tmp_path: Path, model_dir: Path, recipe: str, *extra: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """`python -m rlframe.main recipe=RECIPE` on the tiny model for 2 steps; fails the test on a non-zero exit."""
+    run_dir = tmp_path / "run"
+    result = run_main([f"recipe={recipe}", *TINY_RUN_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}",
+                       *extra], cwd=tmp_path)
+    assert result.returncode == 0, f"run failed:\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+    return run_dir, result

@@ -7,30 +7,12 @@ import math
 
 import pytest
 
-from conftest import REPO_ROOT, read_metrics, run_main
+from conftest import REPO_ROOT, TINY_RUN_OVERRIDES, read_metrics, run_main, run_tiny
 
-TINY = [
-    "trainer.total_steps=2",
-    "data.arithmetic.n_train=64",
-    "data.arithmetic.n_val=8",
-    "data.val_max_samples=8",
-    "data.max_prompt_length=256",
-    "data.max_response_length=16",
-    "data.train_batch_size=4",
-    "actor.ppo_mini_batch_size=4",
-    "actor.ppo_micro_batch_size_per_device=4",
-    "rollout.n=2",
-    "rollout.engine=hf",
-    "trainer.num_cpus=4",
-    "trainer.export_hf=false",
-]
-
+TINY = [*TINY_RUN_OVERRIDES, "rollout.engine=hf", "trainer.export_hf=false"]
 
 def _run(tmp_path, tiny_model_dir, recipe: str, *extra: str) -> tuple[list[dict], str]:
-    run_dir = tmp_path / "run"
-    result = run_main([f"recipe={recipe}", *TINY, f"model.path={tiny_model_dir}", f"trainer.run_dir={run_dir}", *extra],
-                      cwd=tmp_path)
-    assert result.returncode == 0, f"run failed:\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, recipe, "rollout.engine=hf", "trainer.export_hf=false", *extra)
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert "val/reward_mean" in metrics[0] and "val/reward_mean" in metrics[-1]

@@ -12,30 +12,10 @@ import math
 
 import pytest
 
-from conftest import REPO_ROOT, read_metrics, run_main, vllm_installed
-
-TINY_OVERRIDES = [
-    "recipe=grpo_math",
-    "trainer.total_steps=2",
-    "data.arithmetic.n_train=64",
-    "data.arithmetic.n_val=8",
-    "data.val_max_samples=8",
-    "data.max_prompt_length=256",
-    "data.max_response_length=16",
-    "data.train_batch_size=4",
-    "actor.ppo_mini_batch_size=4",
-    "actor.ppo_micro_batch_size_per_device=4",
-    "rollout.n=2",
-    "trainer.num_cpus=4",
-]
-
+from conftest import REPO_ROOT, read_metrics, run_main, run_tiny, vllm_installed
 
 def _run(tmp_path, tiny_model_dir, *extra: str):
-    run_dir = tmp_path / "run"
-    result = run_main([*TINY_OVERRIDES, f"model.path={tiny_model_dir}", f"trainer.run_dir={run_dir}", *extra],
-                      cwd=tmp_path)
-    assert result.returncode == 0, f"run failed:\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
-    return run_dir, result
+    return run_tiny(tmp_path, tiny_model_dir, "grpo_math", *extra)
 
 
 def _check_run(run_dir, result):
