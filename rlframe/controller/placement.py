@@ -172,18 +172,16 @@ class DisaggregatedActorRollout:
 
 
 def trainer_roles(cfg, worker_cfg: dict, model_path: str, actor_cls) -> dict:
-    """The roles of the trainer pool: the actor class given, + ref (KL), + reward model, + critic (gae).
-
-    Keep in step with RLTrainer._start_workers (the classic one-node path builds the same roles).
-    """
+    """The roles of the trainer pool (one-node and multi-node paths alike): the actor class given,
+    + ref (KL), + reward model, + critic (gae)."""
     from rlframe.models.provision import resolve_model_path
     from rlframe.workers.fsdp_workers import RefWorker
 
     roles = {"actor_rollout": (actor_cls, {"cfg": worker_cfg, "model_path": model_path})}
     if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         roles["ref"] = (RefWorker, {"cfg": worker_cfg, "model_path": model_path})
-    reward_model = getattr(cfg, "reward_model", None)
-    if reward_model is not None and reward_model.enable:
+    reward_model = cfg.reward_model
+    if reward_model.enable:
         from rlframe.workers.reward_model_worker import RewardModelWorker
 
         roles["reward_model"] = (RewardModelWorker, {"cfg": worker_cfg, "model_path": resolve_model_path(reward_model.path)})

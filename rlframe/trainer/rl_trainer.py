@@ -106,7 +106,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ workers
     def _start_workers(self) -> None:
-        from rlframe.workers.fsdp_workers import ActorRolloutWorker, RefWorker
+        from rlframe.workers.fsdp_workers import ActorRolloutWorker
 
         cfg = self.cfg
         if placement.uses_placement(cfg):  # multi-node / disaggregated: rlframe/controller/placement.py
@@ -117,21 +117,7 @@ class RLTrainer:
         gpus = 1 if torch.cuda.is_available() and cfg.trainer.device != "cpu" else 0
         self.pool = ResourcePool([world], cpus_per_bundle=cpus, gpus_per_bundle=gpus, name="colocated")
         worker_cfg = to_container(cfg)
-        roles = {"actor_rollout": (ActorRolloutWorker, {"cfg": worker_cfg, "model_path": self.model_path})}
-        if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            roles["ref"] = (RefWorker, {"cfg": worker_cfg, "model_path": self.model_path})
-        if cfg.reward_model.enable:
-            from rlframe.models.provision import resolve_model_path
-            from rlframe.workers.reward_model_worker import RewardModelWorker
-
-            roles["reward_model"] = (RewardModelWorker, {"cfg": worker_cfg,
-                                                         "model_path": resolve_model_path(cfg.reward_model.path)})
-        if cfg.algorithm.adv_estimator == "gae":
-            from rlframe.models.provision import resolve_model_path
-            from rlframe.workers.critic import CriticWorker
-
-            critic_path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else self.model_path
-            roles["critic"] = (CriticWorker, {"cfg": worker_cfg, "model_path": critic_path})
+        roles = placement.trainer_roles(cfg, worker_cfg, self.model_path, ActorRolloutWorker)
         with self.timed("init_workers"):
             self.workers = WorkerGroup(self.pool, roles, backend="nccl" if gpus else "gloo", name="rlframe",
                                        default_timeout_s=cfg.trainer.timeouts.init)
