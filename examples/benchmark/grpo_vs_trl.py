@@ -209,6 +209,7 @@ def main() -> None:
     if args.trl_worker:
         return trl_worker(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlframe_bench_"))
+    workdir.mkdir(parents=True, exist_ok=True)
     results = {}
     if args.only in (None, "rlframe"):
         results["rlframe"] = bench_rlframe(args, workdir)
