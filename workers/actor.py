@@ -77,6 +77,17 @@ def micro_batch_indices(data: DataProto, micro_batch_size: int, max_tokens: int 
     return groups
 
 
+def global_agg_kwargs(mini: DataProto, mode: str, horizon: int) -> dict:
+    """`agg_loss` keyword args with the token / sequence counts of the WHOLE mini-batch over all ranks.
+
+    With these normalisers, summing micro-batch losses (and gradients over ranks) gives the loss of
+    the global mini-batch, however it was split.
+    """
+    mask = mini.batch["response_mask"]
+    return {"mode": mode, "num_tokens": _all_reduce_sum(float(mask.sum())),
+            "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())), "horizon": horizon}
+
+
 def _all_reduce_max(value: int) -> int:
     if _world_size() == 1:
         return value
@@ -175,11 +186,7 @@ class PolicyModel:
         tokens_trained = 0
         for epoch in range(cfg.epochs):
             for mini in data.mini_batches(cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed * 1000 + epoch):
-                mask = mini.batch["response_mask"]
-                agg = {"mode": cfg.loss_agg_mode,
-                       "num_tokens": _all_reduce_sum(float(mask.sum())),
-                       "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())),
-                       "horizon": response_width}
+                agg = global_agg_kwargs(mini, cfg.loss_agg_mode, response_width)
                 self.optimizer.zero_grad(set_to_none=True)
                 for indices in micro_batch_indices(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
                     micro = mini[indices]

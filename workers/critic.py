@@ -28,7 +28,7 @@ from rlframe.algos import compute_value_loss
 from rlframe.controller import Dispatch, register
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
-from rlframe.workers.actor import _all_reduce_sum, _world_size
+from rlframe.workers.actor import _all_reduce_sum, _world_size, global_agg_kwargs
 from rlframe.workers.model import needs_sharding, shard_model, trim_padding_columns
 
 
@@ -155,9 +155,7 @@ class CriticModel:
         start = time.perf_counter()
         for epoch in range(cfg.epochs):
             for mini in data.mini_batches(cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed * 1000 + epoch):
-                mask = mini.batch["response_mask"]
-                agg = {"mode": cfg.loss_agg_mode, "num_tokens": _all_reduce_sum(float(mask.sum())),
-                       "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())), "horizon": width}
+                agg = global_agg_kwargs(mini, cfg.loss_agg_mode, width)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for micro in mini.split(cfg.micro_batch_size):
