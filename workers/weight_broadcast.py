@@ -98,8 +98,8 @@ def make_process_group(host: str, port: int, rank: int, world_size: int, backend
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-class WeightSender:
-    """Trainer side (group rank 0): broadcast the full weights bucket by bucket."""
+class _BucketedEndpoint:
+    """One end of the weight broadcast: the group, the tensor layout and its bucket plan (same on both ends)."""
 
     def __init__(self, process_group, specs: list[TensorSpec], device: str = "cpu",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -107,6 +107,10 @@ class WeightSender:
         self.specs = specs
         self.device = torch.device(device)
         self.buckets = plan_buckets(specs, bucket_bytes)
+
+
+class WeightSender(_BucketedEndpoint):
+    """Trainer side (group rank 0): broadcast the full weights bucket by bucket."""
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Broadcast ``weights`` (an iterator in spec order, e.g. ``iter_full_weights``); returns stats."""
@@ -126,15 +130,8 @@ class WeightSender:
         return {"buckets": len(self.buckets), "tensors": len(self.specs), "bytes": sent_bytes}
 
 
-class WeightReceiver:
+class WeightReceiver(_BucketedEndpoint):
     """Rollout side (group rank >= 1): receive each bucket and load it into the engine."""
-
-    def __init__(self, process_group, specs: list[TensorSpec], device: str = "cpu",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.process_group = process_group
-        self.specs = specs
-        self.device = torch.device(device)
-        self.buckets = plan_buckets(specs, bucket_bytes)
 
     def receive(self, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], int],
                 per_bucket: bool = True) -> dict:
