@@ -20,15 +20,14 @@ import time
 import psutil
 from safetensors.torch import load_file
 
-from conftest import read_metrics, run_main
-from test_e2e_grpo import TINY_OVERRIDES
+from conftest import TINY_RUN_OVERRIDES, read_metrics, run_main
 
 REWARD = os.path.join(os.path.dirname(__file__), "length_reward.py")
 TOTAL = 5
 
 
 def overrides(model_dir, run_dir, *extra):
-    return [*TINY_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "rollout.engine=hf",
+    return ["recipe=grpo_math", *TINY_RUN_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "rollout.engine=hf",
             f"trainer.total_steps={TOTAL}", "trainer.save_every=2", "trainer.max_checkpoints_to_keep=0",
             "trainer.val_before_train=false", "actor.optim.lr=1e-3", f"reward.functions=[{{path:{REWARD}}}]",
             "trainer.export_hf=true", *extra]

@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import time
 
-from conftest import read_metrics, run_main
+from conftest import TINY_RUN_OVERRIDES, read_metrics, run_main
 from test_checkpoint_resume import REWARD
-from test_e2e_grpo import TINY_OVERRIDES
 
 
 def _args(model_dir, run_dir, *extra):
-    return [*TINY_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "rollout.engine=hf",
+    return ["recipe=grpo_math", *TINY_RUN_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "rollout.engine=hf",
             "trainer.total_steps=4", "trainer.save_every=1", "trainer.max_checkpoints_to_keep=3",
             "trainer.val_before_train=false", "trainer.export_hf=false", f"reward.functions=[{{path:{REWARD}}}]",
             *extra]
