@@ -132,8 +132,10 @@ class ActorConfig:
     # engine/trainer log-prob agreement is measured inside update_actor instead).
     skip_old_log_prob_when_on_policy: bool = True
     # Padding-free forward (all real tokens of a micro-batch packed in one row): flash-attn varlen on
-    # GPU. On CPU, SDPA then needs a block-diagonal mask that costs more than the padding it saves
-    # (measured: 22.7 s packed vs 18.8 s padded fwd+bwd, 8 rollouts of SmolLM2), so auto = GPU only.
+    # GPU, rlframe's VARLEN_SDPA elsewhere (per-sequence causal SDPA, linear layers on real tokens
+    # only; measured on CPU: 8.7 s packed vs 10.4 s padded fwd+bwd, 16 GRPO rollouts of SmolLM2).
+    # auto = on, except with attn_implementation=eager (models that do not route attention through
+    # transformers' attention interface cannot be packed).
     use_remove_padding: str = "auto"  # auto | true | false
     # Dynamic micro-batches: instead of a fixed count, pack rows up to a token budget per forward
     # (0 = off: use the fixed ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device).

@@ -7,7 +7,8 @@ import torch
 
 from rlframe.algos.batching import balanced_equal_size_partition, split_by_token_budget
 from rlframe.device import detect_profile
-from rlframe.workers.actor import PolicyModel, UpdateSettings
+from rlframe.protocol import DataProto
+from rlframe.workers.actor import PolicyModel, UpdateSettings, micro_batch_indices
 
 
 def test_split_by_token_budget_hand_case():
@@ -44,6 +45,14 @@ def test_balanced_partition_equal_counts_and_spread_bound():
         assert max(totals) - min(totals) <= max(lengths)
     # hand case: contiguous chunks would give [100+90, 2+1]; balanced gives equal-ish
     assert sorted(sum([100, 90, 2, 1][i] for i in g) for g in balanced_equal_size_partition([100, 90, 2, 1], 2)) == [92, 101]
+
+
+def test_fixed_count_micro_batches_group_rows_of_similar_length():
+    # real tokens per row 5, 1, 4, 2 -> by length rows 1, 3, 2, 0 -> micro-batches {1, 3} and {0, 2}
+    mask = torch.tensor([[1] * 5, [1] + [0] * 4, [1] * 4 + [0], [1] * 2 + [0] * 3])
+    data = DataProto.from_dict({"attention_mask": mask})
+    assert micro_batch_indices(data, micro_batch_size=2) == [[1, 3], [0, 2]]
+    assert micro_batch_indices(data, micro_batch_size=3) == [[1, 2, 3], [0]]
 
 
 def _batch(vocab):

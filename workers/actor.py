@@ -62,10 +62,17 @@ def _all_reduce_sum(value: float) -> float:
 
 
 def micro_batch_indices(data: DataProto, micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
-    """Rows of each micro-batch: a fixed count, or (max_tokens > 0) at most max_tokens real tokens each."""
+    """Rows of each micro-batch: a fixed count, or (max_tokens > 0) at most max_tokens real tokens each.
+
+    Fixed-count micro-batches take the rows in order of length, so rows of similar length share a
+    micro-batch and less compute goes to padding (the loss normalisers are global, so the grouping
+    does not change the gradient).
+    """
+    lengths = data.batch["attention_mask"].sum(-1).tolist()
     if max_tokens <= 0:
-        return [list(range(i, min(i + micro_batch_size, len(data)))) for i in range(0, len(data), micro_batch_size)]
-    groups = split_by_token_budget(data.batch["attention_mask"].sum(-1).tolist(), max_tokens)
+        by_length = sorted(range(len(data)), key=lambda i: lengths[i])
+        return [sorted(by_length[i:i + micro_batch_size]) for i in range(0, len(data), micro_batch_size)]
+    groups = split_by_token_budget(lengths, max_tokens)
     # Sharded models run collectives in every forward: all ranks need the same number of micro-batches.
     target = _all_reduce_max(len(groups))
     while len(groups) < target:
@@ -106,7 +113,7 @@ class PolicyModel:
         # fp32 master weights; on GPU, FSDP's mixed precision computes in bf16.
         master_dtype = torch.float32 if (train is not None or not profile.is_gpu) else profile.dtype
         self.model = build_causal_lm(model_path, profile, gradient_checkpointing=gradient_checkpointing and train is not None,
-                                     trust_remote_code=trust_remote_code, dtype=master_dtype)
+                                     trust_remote_code=trust_remote_code, dtype=master_dtype, packed=packed)
         if profile.is_gpu and not offload_params:
             self.model.to(self.device)
         self.sharded = needs_sharding(profile)

@@ -42,7 +42,7 @@ def _profile(cfg: dict):
 
 def _use_remove_padding(cfg: dict, profile) -> bool:
     setting = str(cfg["actor"]["use_remove_padding"]).lower()
-    return profile.is_gpu if setting == "auto" else setting == "true"
+    return profile.attn_implementation != "eager" if setting == "auto" else setting == "true"
 
 
 def _seed_everything(seed: int) -> None:

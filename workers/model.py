@@ -8,6 +8,7 @@ time, which is what weight sync streams into the rollout engine.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -15,17 +16,24 @@ import torch.distributed as dist
 from torch import nn
 
 from rlframe.device import DeviceProfile
+from rlframe.workers.attention import VARLEN_SDPA, register_varlen_attention
 
 # Token positions whose logits are upcast to float32 at once (bounds the fp32 copy to LOGIT_CHUNK x vocab).
 LOGIT_CHUNK = 1024
 
 
 def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing: bool = False,
-                    trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
+                    trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+                    packed: bool = False) -> nn.Module:
+    """`packed`: the model will only see packed rows; without flash-attn it attends with VARLEN_SDPA."""
     from transformers import AutoModelForCausalLM
 
+    attn_implementation = profile.attn_implementation
+    if packed and attn_implementation == "sdpa":
+        register_varlen_attention()
+        attn_implementation = VARLEN_SDPA
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=profile.attn_implementation, trust_remote_code=trust_remote_code)
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -94,13 +102,27 @@ def trim_padding_columns(attention_mask: torch.Tensor, response_width: int) -> t
     return min(start, prompt_width - 1), end
 
 
+def _logits_at(model: nn.Module, keep: int | torch.Tensor, **inputs) -> torch.Tensor:
+    """Logits at the kept sequence positions only: the last `keep` columns (int) or the given indices.
+
+    Skipping the LM head on prompt positions saves its matmul (forward and backward) and the
+    [B, T, vocab] activation, which for short responses is most of the logits. Models whose
+    forward lacks `logits_to_keep` get the full logits, sliced afterwards (same result).
+    """
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    logits = model(**inputs, use_cache=False).logits
+    return logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]
+
+
 def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                position_ids: torch.Tensor, response_width: int, temperature: float = 1.0,
                                with_entropy: bool = False, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens under `model`, shape [B, response_width].
 
     log p(y_t | x, y_<t) = log_softmax(logits_{t-1} / temperature)[y_t]; padding columns shared by
-    all rows are trimmed before the forward pass and the result is zero-padded back.
+    all rows are trimmed before the forward pass and the result is zero-padded back. The LM head
+    runs only on the positions that predict a response token.
     """
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
@@ -110,11 +132,11 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     start, end = trim_padding_columns(attention_mask, response_width)
     prompt_width = input_ids.size(1) - response_width
     kept_response = end - prompt_width
-    logits = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, start:end],
-                   position_ids=position_ids[:, start:end], use_cache=False).logits
-    # logits at column c predict the token at column c + 1
+    # logits at column c predict the token at column c + 1: keep columns prompt_width - 1 .. end - 2.
     # Kept in the model's dtype; the float32 upcast happens LOGIT_CHUNK positions at a time.
-    response_logits = logits[:, prompt_width - start - 1: end - start - 1]
+    response_logits = _logits_at(model, kept_response + 1, input_ids=input_ids[:, start:end],
+                                 attention_mask=attention_mask[:, start:end],
+                                 position_ids=position_ids[:, start:end])[:, :-1]
     if temperature != 1.0:
         response_logits = response_logits / temperature
     targets = input_ids[:, prompt_width:end]
@@ -133,28 +155,30 @@ def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     """Padding-free variant: all real tokens of the micro-batch packed into one row.
 
     The model sees one sequence of sum(lengths) tokens whose position ids restart at 0 for each
-    original row; transformers turns that into flash-attn varlen (GPU) or a block-diagonal causal
-    mask (SDPA), so no compute is spent on padding and no token attends across rows. Token j of
-    the packed row predicts token j + 1; the result is scattered back to the padded [B, R] grid.
+    original row; attention is flash-attn varlen (GPU) or VARLEN_SDPA (`workers/attention.py`), so no
+    compute is spent on padding and no token attends across rows. The packed
+    token just before each response token predicts it; the LM head runs on those positions only and
+    the results are scattered back to the padded [B, R] grid.
     """
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
     real = attention_mask.bool()
-    packed_ids = input_ids[real].unsqueeze(0)
-    logits = model(input_ids=packed_ids, position_ids=position_ids[real].unsqueeze(0), attention_mask=None,
-                   use_cache=False).logits[0, :-1]
+    prompt_width = input_ids.size(1) - response_width
+    response_tokens = real.clone()
+    response_tokens[:, :prompt_width] = False
+    packed_position = real.flatten().cumsum(0).view_as(real) - 1  # index of each real token in the packed row
+    predicting = packed_position[response_tokens] - 1  # every row has a prompt token, so never -1
+    logits = _logits_at(model, predicting, input_ids=input_ids[real].unsqueeze(0),
+                        position_ids=position_ids[real].unsqueeze(0), attention_mask=None)[0]
     if temperature != 1.0:
         logits = logits / temperature
-    next_log_probs = log_probs_from_logits(logits, packed_ids[0, 1:], chunk_size=LOGIT_CHUNK)
-    prompt_width = input_ids.size(1) - response_width
-    response_mask = attention_mask[:, prompt_width:].to(next_log_probs.dtype)
+    in_response = response_tokens[:, prompt_width:]
 
     def to_response_grid(per_token: torch.Tensor) -> torch.Tensor:
-        # value at a real token = prediction of the token after it; the response token at column
-        # prompt_width + t is predicted at column prompt_width + t - 1.
-        grid = torch.zeros(input_ids.shape, dtype=per_token.dtype, device=per_token.device)
-        grid[real] = torch.nn.functional.pad(per_token, (0, 1))
-        return grid[:, prompt_width - 1: prompt_width - 1 + response_width] * response_mask
+        grid = torch.zeros(in_response.shape, dtype=per_token.dtype, device=per_token.device)
+        grid[in_response] = per_token
+        return grid
 
+    log_probs = to_response_grid(log_probs_from_logits(logits, input_ids[response_tokens], chunk_size=LOGIT_CHUNK))
     entropy = to_response_grid(entropy_from_logits(logits, chunk_size=LOGIT_CHUNK)) if with_entropy else None
-    return to_response_grid(next_log_probs), entropy
+    return log_probs, entropy
