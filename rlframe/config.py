@@ -141,6 +141,10 @@ class ActorConfig:
     # (0 = off: use the fixed ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device).
     ppo_max_token_len_per_device: int = 0
     log_prob_max_token_len_per_device: int = 0
+    # Ulysses sequence parallelism: each group of this many consecutive ranks shares every packed row
+    # (1/P of the tokens each; all-to-all around attention). Must divide world_size and the model's
+    # attention heads; needs use_remove_padding. Applies to the actor and the reference policy.
+    ulysses_sequence_parallel_size: int = 1
     offload_params: bool = False  # GPU only: keep params on CPU between phases
     offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases
 
@@ -333,6 +337,11 @@ def validate_config(cfg: RLConfig) -> None:
                  "actor.ppo_micro_batch_size_per_device",
                  f"each rank gets {per_rank} sequences per mini-batch, not a multiple of "
                  f"ppo_micro_batch_size_per_device={actor.ppo_micro_batch_size_per_device}. Fix: pick a divisor of {per_rank}.")
+    sp = actor.ulysses_sequence_parallel_size
+    need(sp >= 1 and actor.world_size % max(sp, 1) == 0, "actor.ulysses_sequence_parallel_size",
+         f"{sp} must be >= 1 and divide actor.world_size={actor.world_size}. Fix: pick a divisor of the world size.")
+    need(sp == 1 or str(actor.use_remove_padding).lower() != "false", "actor.ulysses_sequence_parallel_size",
+         "sequence parallelism splits packed rows: it needs actor.use_remove_padding=auto or true")
     need(data.max_prompt_length > 0 and data.max_response_length > 0, "data.max_response_length",
          "prompt and response lengths must be positive")
     need(data.source in ("arithmetic", "files"), "data.source", f"'{data.source}' is not arithmetic or files")

@@ -1,8 +1,10 @@
-"""The actor's update gives the same result at data-parallel world size 1 and 2 (FSDP2 over gloo).
+"""The actor's update gives the same result at data-parallel world size 1 and 2 (FSDP2 over gloo),
+and with Ulysses sequence parallelism over the 2 ranks.
 
-A fixed synthetic rollout batch goes through `update_actor` in a real worker group; the loss,
-the gradient norm and the updated weights must agree: the loss normalisers are global over ranks
-and micro-batches, so splitting the batch differently must not change the update.
+A fixed synthetic rollout batch goes through `compute_log_prob` and `update_actor` in a real worker
+group; the log-probs, the loss, the gradient norm and the updated weights must agree: the loss
+normalisers are global over ranks and micro-batches, so splitting the batch (or each row's tokens)
+differently must not change the update.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def synthetic_batch(vocab: int, n: int = 8, prompt: int = 6, response: int = 5) 
     }, meta_info={"step": 1})
 
 
-def run_update(model_dir, world_size: int, micro: int, tmp_path):
+def run_update(model_dir, world_size: int, micro: int, tmp_path, sequence_parallel: int = 1, packed: str = "auto"):
     from rlframe.workers.fsdp_workers import ActorRolloutWorker
 
     cfg = RLConfig()
@@ -54,6 +56,8 @@ def run_update(model_dir, world_size: int, micro: int, tmp_path):
     cfg.actor.optim.lr = 1e-3
     cfg.actor.shuffle = False
     cfg.algorithm.kl_loss_coef = 0.1
+    cfg.actor.ulysses_sequence_parallel_size = sequence_parallel
+    cfg.actor.use_remove_padding = packed
     pool = ResourcePool([world_size], cpus_per_bundle=1, name=f"dp{world_size}")
     group = WorkerGroup(pool, {"actor_rollout": (ActorRolloutWorker, {"cfg": to_container(cfg), "model_path": str(model_dir)})},
                         default_timeout_s=300)
@@ -62,23 +66,37 @@ def run_update(model_dir, world_size: int, micro: int, tmp_path):
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-        result = actor.update_actor(synthetic_batch(vocab))
-        out = tmp_path / f"ws{world_size}_micro{micro}"
+        batch = synthetic_batch(vocab)
+        log_probs = actor.compute_log_prob(batch).batch["old_log_probs"] * batch.batch["response_mask"]
+        result = actor.update_actor(batch)
+        out = tmp_path / f"ws{world_size}_micro{micro}_sp{sequence_parallel}_{packed}"
         actor.save_hf(str(out))
     finally:
         group.shutdown()
         pool.remove()
     from safetensors.torch import load_file
 
-    return result.meta_info["metrics"], load_file(str(out / "model.safetensors"))
+    return result.meta_info["metrics"], load_file(str(out / "model.safetensors")), log_probs
 
 
-def test_update_same_at_world_size_1_and_2(ray_session, tiny_model_dir, tmp_path):
-    m1, w1 = run_update(tiny_model_dir, world_size=1, micro=8, tmp_path=tmp_path)
-    m2, w2 = run_update(tiny_model_dir, world_size=2, micro=2, tmp_path=tmp_path)
+def assert_same_update(first, second):
+    (m1, w1, lp1), (m2, w2, lp2) = first, second
+    torch.testing.assert_close(lp1, lp2, rtol=1e-4, atol=1e-5)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     assert m1["actor/grad_norm"] > 0
     assert w1.keys() == w2.keys()
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_update_same_at_world_size_1_and_2(ray_session, tiny_model_dir, tmp_path):
+    # padded forward at world size 1, packed (VARLEN_SDPA) at world size 2
+    assert_same_update(run_update(tiny_model_dir, world_size=1, micro=8, tmp_path=tmp_path, packed="false"),
+                       run_update(tiny_model_dir, world_size=2, micro=2, tmp_path=tmp_path))
+
+
+def test_ulysses_sequence_parallel_same_as_world_size_1(ray_session, tiny_model_dir, tmp_path):
+    # both ranks share every row (each runs half of its tokens; all-to-all around attention)
+    assert_same_update(run_update(tiny_model_dir, world_size=1, micro=8, tmp_path=tmp_path),
+                       run_update(tiny_model_dir, world_size=2, micro=4, tmp_path=tmp_path, sequence_parallel=2))

@@ -19,6 +19,7 @@ from rlframe.algos.batching import split_by_token_budget
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.model import build_causal_lm, forward_response_log_probs, needs_sharding, shard_model
+from rlframe.workers.sequence_parallel import SequenceParallelGroup, gather_rows
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -84,15 +85,16 @@ def micro_batch_indices(data: DataProto, micro_batch_size: int, max_tokens: int 
     return groups
 
 
-def global_agg_kwargs(mini: DataProto, mode: str, horizon: int) -> dict:
+def global_agg_kwargs(mini: DataProto, mode: str, horizon: int, replicas: int = 1) -> dict:
     """`agg_loss` keyword args with the token / sequence counts of the WHOLE mini-batch over all ranks.
 
     With these normalisers, summing micro-batch losses (and gradients over ranks) gives the loss of
-    the global mini-batch, however it was split.
+    the global mini-batch, however it was split. `replicas`: how many ranks hold each row (the
+    sequence-parallel size), so that no row is counted twice.
     """
     mask = mini.batch["response_mask"]
-    return {"mode": mode, "num_tokens": _all_reduce_sum(float(mask.sum())),
-            "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())), "horizon": horizon}
+    return {"mode": mode, "num_tokens": _all_reduce_sum(float(mask.sum())) / replicas,
+            "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())) / replicas, "horizon": horizon}
 
 
 def _all_reduce_max(value: int) -> int:
@@ -106,14 +108,21 @@ def _all_reduce_max(value: int) -> int:
 class PolicyModel:
     def __init__(self, model_path: str, profile: DeviceProfile, *, train: UpdateSettings | None = None,
                  gradient_checkpointing: bool = False, offload_params: bool = False,
-                 offload_optimizer: bool = False, trust_remote_code: bool = False, packed: bool = False):
+                 offload_optimizer: bool = False, trust_remote_code: bool = False, packed: bool = False,
+                 sequence_parallel_size: int = 1):
         self.profile = profile
-        self.packed = packed
+        # Ulysses: the ranks of an SP group train on the union of their chunks, each on 1/P of every row.
+        self.sp = SequenceParallelGroup.create(sequence_parallel_size) if sequence_parallel_size > 1 else None
+        self.packed = packed or self.sp is not None
         self.device = torch.device(profile.device)
         # fp32 master weights; on GPU, FSDP's mixed precision computes in bf16.
         master_dtype = torch.float32 if (train is not None or not profile.is_gpu) else profile.dtype
         self.model = build_causal_lm(model_path, profile, gradient_checkpointing=gradient_checkpointing and train is not None,
-                                     trust_remote_code=trust_remote_code, dtype=master_dtype, packed=packed)
+                                     trust_remote_code=trust_remote_code, dtype=master_dtype, packed=self.packed,
+                                     sequence_parallel=self.sp is not None)
+        if self.sp is not None and self.model.config.num_attention_heads % self.sp.size:
+            raise ValueError(f"actor.ulysses_sequence_parallel_size={self.sp.size} must divide the model's "
+                             f"{self.model.config.num_attention_heads} attention heads")
         if profile.is_gpu and not offload_params:
             self.model.to(self.device)
         self.sharded = needs_sharding(profile)
@@ -144,20 +153,24 @@ class PolicyModel:
                          with_entropy: bool = False, max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         was_training = self.model.training
         self.model.eval()
+        own_rows = slice(0, len(data))
+        if self.sp is not None:
+            data, own_rows = gather_rows(data, self.sp)
         response_width = data.batch["responses"].size(1)
         log_probs, entropies, order = [], [], []
         for indices in micro_batch_indices(data, micro_batch_size, max_tokens):
             micro = data[indices]
             order += indices
             lp, ent = forward_response_log_probs(self.model, **self._model_inputs(micro), response_width=response_width,
-                                                 temperature=temperature, with_entropy=with_entropy, packed=self.packed)
+                                                 temperature=temperature, with_entropy=with_entropy, packed=self.packed,
+                                                 sp=self.sp)
             log_probs.append(lp.cpu())
             if ent is not None:
                 entropies.append(ent.cpu())
         self.model.train(was_training)
         restore = torch.argsort(torch.tensor(order))  # back to the input row order
-        log_probs = torch.cat(log_probs)[restore]
-        return log_probs, (torch.cat(entropies)[restore] if with_entropy else None)
+        log_probs = torch.cat(log_probs)[restore][own_rows]
+        return log_probs, (torch.cat(entropies)[restore][own_rows] if with_entropy else None)
 
     # ------------------------------------------------------------------ update
     def update(self, data: DataProto, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
@@ -173,6 +186,10 @@ class PolicyModel:
         loss_cfg = PolicyLossConfig(clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                                     clip_ratio_c=cfg.clip_ratio_c)
         world = _world_size()
+        replicas = self.sp.size if self.sp is not None else 1
+        if self.sp is not None:
+            data, _ = gather_rows(data, self.sp)
+        mini_batch_size = cfg.mini_batch_size * replicas
         response_width = data.batch["responses"].size(1)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -184,7 +201,7 @@ class PolicyModel:
         # On-policy shortcut: with one epoch and one mini-batch, every forward below runs before the
         # only optimiser step, so the current log-probs ARE the old log-probs (no extra pass needed).
         on_policy = "old_log_probs" not in data.batch.keys()
-        if on_policy and (cfg.epochs != 1 or cfg.mini_batch_size < len(data)):
+        if on_policy and (cfg.epochs != 1 or mini_batch_size < len(data)):
             raise ValueError("update without old_log_probs is only exact for one epoch and one mini-batch "
                              f"(epochs={cfg.epochs}, mini-batch {cfg.mini_batch_size} < batch {len(data)}). "
                              "Fix: compute old log-probs first (actor.skip_old_log_prob_when_on_policy=false).")
@@ -192,8 +209,8 @@ class PolicyModel:
         start = time.perf_counter()
         tokens_trained = 0
         for epoch in range(cfg.epochs):
-            for mini in data.mini_batches(cfg.mini_batch_size, shuffle=cfg.shuffle, seed=seed * 1000 + epoch):
-                agg = global_agg_kwargs(mini, cfg.loss_agg_mode, response_width)
+            for mini in data.mini_batches(mini_batch_size, shuffle=cfg.shuffle, seed=seed * 1000 + epoch):
+                agg = global_agg_kwargs(mini, cfg.loss_agg_mode, response_width, replicas)
                 self.optimizer.zero_grad(set_to_none=True)
                 for indices in micro_batch_indices(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
                     micro = mini[indices]
@@ -201,7 +218,7 @@ class PolicyModel:
                     tokens_trained += int(micro.batch["attention_mask"].sum())
                     log_prob, entropy = forward_response_log_probs(
                         self.model, **self._model_inputs(micro), response_width=response_width,
-                        temperature=temperature, with_entropy=cfg.entropy_coeff != 0, packed=self.packed)
+                        temperature=temperature, with_entropy=cfg.entropy_coeff != 0, packed=self.packed, sp=self.sp)
                     if on_policy:
                         old_log_prob = log_prob.detach()
                         if "rollout_log_probs" in micro.batch.keys():
@@ -235,7 +252,7 @@ class PolicyModel:
         n_minis = max(counts.get("actor/grad_norm", 1), 1)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
             if key in sums:
-                metrics[key] = _all_reduce_sum(sums[key]) / n_minis
+                metrics[key] = _all_reduce_sum(sums[key]) / n_minis / replicas
         for key in list(metrics):
             if key not in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
                 metrics[key] = _all_reduce_sum(metrics[key]) / world
@@ -243,7 +260,7 @@ class PolicyModel:
             metrics["rollout/logprob_abs_diff"] = _all_reduce_sum(drift_sum) / max(_all_reduce_sum(drift_tokens), 1.0)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/skipped_updates"] = float(self.consecutive_skips)
-        metrics["perf/train_tokens_per_s"] = _all_reduce_sum(tokens_trained) / max(time.perf_counter() - start, 1e-9)
+        metrics["perf/train_tokens_per_s"] = _all_reduce_sum(tokens_trained) / replicas / max(time.perf_counter() - start, 1e-9)
         return metrics
 
     def _clip_and_step(self, max_norm: float) -> float:

@@ -96,7 +96,8 @@ class ActorRolloutWorker:
         self.actor = PolicyModel(model_path, self.profile, train=self.settings,
                                  gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
                                  offload_params=actor["offload_params"], offload_optimizer=actor["offload_optimizer"],
-                                 trust_remote_code=trust, packed=_use_remove_padding(cfg, self.profile))
+                                 trust_remote_code=trust, packed=_use_remove_padding(cfg, self.profile),
+                                 sequence_parallel_size=actor["ulysses_sequence_parallel_size"])
         if not with_rollout:  # disaggregated placement: the engines live in their own worker group
             self.rollout, self.rollout_engine = None, "none"
             return
@@ -226,7 +227,8 @@ class RefWorker:
         self.cfg = cfg
         self.profile = _profile(cfg)
         self.ref = PolicyModel(model_path, self.profile, train=None, trust_remote_code=cfg["model"]["trust_remote_code"],
-                               packed=_use_remove_padding(cfg, self.profile))
+                               packed=_use_remove_padding(cfg, self.profile),
+                               sequence_parallel_size=cfg["actor"]["ulysses_sequence_parallel_size"])
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

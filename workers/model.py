@@ -17,6 +17,8 @@ from torch import nn
 
 from rlframe.device import DeviceProfile
 from rlframe.workers.attention import VARLEN_SDPA, register_varlen_attention
+from rlframe.workers.sequence_parallel import (ULYSSES_SDPA, SequenceParallelGroup, gather_tokens,
+                                               register_ulysses_attention, sequence_parallel_forward)
 
 # Token positions whose logits are upcast to float32 at once (bounds the fp32 copy to LOGIT_CHUNK x vocab).
 LOGIT_CHUNK = 1024
@@ -24,12 +26,16 @@ LOGIT_CHUNK = 1024
 
 def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing: bool = False,
                     trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
-                    packed: bool = False) -> nn.Module:
-    """`packed`: the model will only see packed rows; without flash-attn it attends with VARLEN_SDPA."""
+                    packed: bool = False, sequence_parallel: bool = False) -> nn.Module:
+    """`packed`: the model will only see packed rows; without flash-attn it attends with VARLEN_SDPA.
+    `sequence_parallel`: packed rows split over an SP group, attending with ULYSSES_SDPA."""
     from transformers import AutoModelForCausalLM
 
     attn_implementation = profile.attn_implementation
-    if packed and attn_implementation == "sdpa":
+    if sequence_parallel:
+        register_ulysses_attention()
+        attn_implementation = ULYSSES_SDPA
+    elif packed and attn_implementation == "sdpa":
         register_varlen_attention()
         attn_implementation = VARLEN_SDPA
     model = AutoModelForCausalLM.from_pretrained(
@@ -117,18 +123,22 @@ def _logits_at(model: nn.Module, keep: int | torch.Tensor, **inputs) -> torch.Te
 
 def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                position_ids: torch.Tensor, response_width: int, temperature: float = 1.0,
-                               with_entropy: bool = False, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               with_entropy: bool = False, packed: bool = False,
+                               sp: SequenceParallelGroup | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens under `model`, shape [B, response_width].
 
     log p(y_t | x, y_<t) = log_softmax(logits_{t-1} / temperature)[y_t]; padding columns shared by
     all rows are trimmed before the forward pass and the result is zero-padded back. The LM head
-    runs only on the positions that predict a response token.
+    runs only on the positions that predict a response token. `sp` (packed only): Ulysses sequence
+    parallelism; every rank of the group passes the same micro-batch and gets the same result.
     """
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
+    if sp is not None and not packed:
+        raise ValueError("sequence parallelism runs on packed rows (actor.use_remove_padding)")
     if packed:
         return _packed_response_log_probs(model, input_ids, attention_mask, position_ids, response_width,
-                                          temperature, with_entropy)
+                                          temperature, with_entropy, sp)
     start, end = trim_padding_columns(attention_mask, response_width)
     prompt_width = input_ids.size(1) - response_width
     kept_response = end - prompt_width
@@ -151,14 +161,15 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
 
 def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                position_ids: torch.Tensor, response_width: int, temperature: float,
-                               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Padding-free variant: all real tokens of the micro-batch packed into one row.
+                               with_entropy: bool, sp: SequenceParallelGroup | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padding-free variant: all real tokens of the micro-batch packed in one row.
 
     The model sees one sequence of sum(lengths) tokens whose position ids restart at 0 for each
     original row; attention is flash-attn varlen (GPU) or VARLEN_SDPA (`workers/attention.py`), so no
-    compute is spent on padding and no token attends across rows. The packed
-    token just before each response token predicts it; the LM head runs on those positions only and
-    the results are scattered back to the padded [B, R] grid.
+    compute is spent on padding and no token attends across rows. The packed token just before each
+    response token predicts it; the LM head runs on those positions only and the results are
+    scattered back to the padded [B, R] grid. With `sp`, this rank runs 1/P of the row (Ulysses).
     """
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
@@ -168,17 +179,42 @@ def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     response_tokens[:, :prompt_width] = False
     packed_position = real.flatten().cumsum(0).view_as(real) - 1  # index of each real token in the packed row
     predicting = packed_position[response_tokens] - 1  # every row has a prompt token, so never -1
-    logits = _logits_at(model, predicting, input_ids=input_ids[real].unsqueeze(0),
-                        position_ids=position_ids[real].unsqueeze(0), attention_mask=None)[0]
-    if temperature != 1.0:
-        logits = logits / temperature
+    packed_ids, packed_position_ids = input_ids[real], position_ids[real]
+    targets = input_ids[response_tokens]
+
+    def per_token(fn, logits: torch.Tensor) -> torch.Tensor:
+        return fn(logits / temperature if temperature != 1.0 else logits)
+
+    if sp is None:
+        logits = _logits_at(model, predicting, input_ids=packed_ids.unsqueeze(0),
+                            position_ids=packed_position_ids.unsqueeze(0), attention_mask=None)[0]
+        log_probs = per_token(lambda z: log_probs_from_logits(z, targets, chunk_size=LOGIT_CHUNK), logits)
+        entropy = per_token(lambda z: entropy_from_logits(z, chunk_size=LOGIT_CHUNK), logits) if with_entropy else None
+    else:
+        # Pad the row to a multiple of P with a dummy sequence (position ids from 0: attends only to itself).
+        pad = -packed_ids.numel() % sp.size
+        packed_ids = torch.cat([packed_ids, packed_ids.new_zeros(pad)])
+        packed_position_ids = torch.cat([packed_position_ids, torch.arange(pad, device=packed_ids.device)])
+        width = packed_ids.numel() // sp.size
+        first = sp.rank * width
+        mine = (predicting >= first) & (predicting < first + width)
+        local_keep = predicting[mine] - first
+        with sequence_parallel_forward(sp, packed_position_ids.unsqueeze(0)):
+            logits = _logits_at(model, local_keep, input_ids=packed_ids[first: first + width].unsqueeze(0),
+                                position_ids=packed_position_ids[first: first + width].unsqueeze(0),
+                                attention_mask=None)[0]
+
+        def gathered(local: torch.Tensor) -> torch.Tensor:
+            row = local.new_zeros(width).index_copy(0, local_keep, local)
+            return gather_tokens(row, sp)[predicting]
+
+        log_probs = gathered(per_token(lambda z: log_probs_from_logits(z, targets[mine], chunk_size=LOGIT_CHUNK), logits))
+        entropy = gathered(per_token(lambda z: entropy_from_logits(z, chunk_size=LOGIT_CHUNK), logits)) if with_entropy else None
     in_response = response_tokens[:, prompt_width:]
 
-    def to_response_grid(per_token: torch.Tensor) -> torch.Tensor:
-        grid = torch.zeros(in_response.shape, dtype=per_token.dtype, device=per_token.device)
-        grid[in_response] = per_token
+    def to_response_grid(values: torch.Tensor) -> torch.Tensor:
+        grid = torch.zeros(in_response.shape, dtype=values.dtype, device=values.device)
+        grid[in_response] = values
         return grid
 
-    log_probs = to_response_grid(log_probs_from_logits(logits, input_ids[response_tokens], chunk_size=LOGIT_CHUNK))
-    entropy = to_response_grid(entropy_from_logits(logits, chunk_size=LOGIT_CHUNK)) if with_entropy else None
-    return log_probs, entropy
+    return to_response_grid(log_probs), (to_response_grid(entropy) if entropy is not None else None)
