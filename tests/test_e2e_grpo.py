@@ -72,6 +72,8 @@ def test_grpo_two_steps_hf_engine_world_size_2(tmp_path, tiny_model_dir):
     (["recipe=grpo_math", "data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size"),
     (["recipe=grpo_math", "actor.world_size=3"], "actor.world_size"),
     (["recipe=grpo_math", "actor.optim.lrr=1"], "actor.optim.lrr"),
+    (["recipe=grpo_math", "actor.world_size=2", "actor.ulysses_sequence_parallel_size=3"],
+     "actor.ulysses_sequence_parallel_size"),
 ])
 def test_bad_config_fails_before_workers(tmp_path, args, expected):
     result = run_main(args, cwd=tmp_path, timeout=120)
