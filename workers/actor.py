@@ -209,10 +209,13 @@ class PolicyModel:
         start = time.perf_counter()
         tokens_trained = 0
         for epoch in range(cfg.epochs):
-            for mini in data.mini_batches(mini_batch_size, shuffle=cfg.shuffle, seed=seed * 1000 + epoch):
+            for mini_index, mini in enumerate(data.mini_batches(mini_batch_size, shuffle=cfg.shuffle,
+                                                                seed=seed * 1000 + epoch)):
                 agg = global_agg_kwargs(mini, cfg.loss_agg_mode, response_width, replicas)
                 self.optimizer.zero_grad(set_to_none=True)
-                for indices in micro_batch_indices(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
+                first_bad = None  # where the loss first went non-finite in this mini-batch
+                for micro_index, indices in enumerate(
+                        micro_batch_indices(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)):
                     micro = mini[indices]
                     micro_mask = micro.batch["response_mask"].to(self.device)
                     tokens_trained += int(micro.batch["attention_mask"].sum())
@@ -240,11 +243,14 @@ class PolicyModel:
                         entropy_loss = agg_loss(entropy, micro_mask, **agg)
                         loss = loss - cfg.entropy_coeff * entropy_loss
                         record("actor/entropy", entropy_loss.item())
+                    if first_bad is None and not torch.isfinite(loss.detach()):
+                        first_bad = (f"epoch {epoch}, mini-batch {mini_index}, micro-batch {micro_index} "
+                                     f"(rows {indices} of the mini-batch; pg_loss={pg_loss.item()}, loss={loss.item()})")
                     (loss * world).backward()
                     record("actor/pg_loss", pg_loss.item())
                     for key, value in pg_metrics.items():
                         record(f"actor/{key}", float(value))
-                grad_norm = self._clip_and_step(cfg.grad_clip)
+                grad_norm = self._clip_and_step(cfg.grad_clip, first_bad)
                 record("actor/grad_norm", grad_norm)
         metrics = {k: sums[k] / counts[k] for k in sums}
         # Loss terms were computed against global normalisers: summing over micro-batches and
@@ -263,7 +269,7 @@ class PolicyModel:
         metrics["perf/train_tokens_per_s"] = _all_reduce_sum(tokens_trained) / replicas / max(time.perf_counter() - start, 1e-9)
         return metrics
 
-    def _clip_and_step(self, max_norm: float) -> float:
+    def _clip_and_step(self, max_norm: float, first_bad: str | None = None) -> float:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -273,9 +279,12 @@ class PolicyModel:
             self.optimizer.zero_grad(set_to_none=True)
             self.consecutive_skips += 1
             if self.consecutive_skips >= self.train_settings.max_consecutive_skips:
+                cause = (f"the loss first went non-finite at {first_bad}" if first_bad else
+                         "the loss stayed finite, so the gradient itself overflowed")
                 raise FloatingPointError(
                     f"gradient norm was {grad_norm} for {self.consecutive_skips} optimiser steps in a row "
-                    f"(optimiser step {self.optimizer_steps}). Fix: lower actor.optim.lr or check the data/rewards.")
+                    f"(optimiser step {self.optimizer_steps}); in the last one {cause}. "
+                    "Fix: lower actor.optim.lr or check the data/rewards.")
             return grad_norm
         self.consecutive_skips = 0
         self.optimizer.step()
