@@ -64,7 +64,8 @@ def bench_rlframe(args, workdir: Path) -> dict:
            f"actor.ppo_mini_batch_size={args.prompts}", f"rollout.n={args.n}",
            f"data.max_response_length={args.max_response}", f"actor.optim.lr={args.lr}",
            f"algorithm.kl_loss_coef={args.kl}", f"rollout.temperature={args.temperature}",
-           "trainer.val_before_train=false", "trainer.val_at_end=false", "trainer.export_hf=false"]
+           "trainer.val_before_train=false", "trainer.val_at_end=false", "trainer.export_hf=false",
+           *args.rlframe_override]
     peak = run_measured(cmd, REPO_ROOT, workdir / "rlframe.log")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s["step"] >= 1]
@@ -202,6 +203,8 @@ def main() -> None:
     parser.add_argument("--kl", type=float, default=0.001)
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--only", choices=["rlframe", "trl"])
+    parser.add_argument("--rlframe-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra rlframe config override (repeatable), e.g. actor.use_remove_padding=false")
     parser.add_argument("--mode", choices=["throughput", "mfu"], default="throughput")
     parser.add_argument("--workdir")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
