@@ -203,7 +203,7 @@ class PolicyModel:
         on_policy = "old_log_probs" not in data.batch.keys()
         if on_policy and (cfg.epochs != 1 or mini_batch_size < len(data)):
             raise ValueError("update without old_log_probs is only exact for one epoch and one mini-batch "
-                             f"(epochs={cfg.epochs}, mini-batch {cfg.mini_batch_size} < batch {len(data)}). "
+                             f"(epochs={cfg.epochs}, mini-batch {mini_batch_size} < batch {len(data)}). "
                              "Fix: compute old log-probs first (actor.skip_old_log_prob_when_on_policy=false).")
         drift_sum = drift_tokens = 0.0
         start = time.perf_counter()
