@@ -97,6 +97,21 @@ def global_agg_kwargs(mini: DataProto, mode: str, horizon: int, replicas: int = 
             "num_seqs": _all_reduce_sum(float((mask.sum(-1) > 0).sum())) / replicas, "horizon": horizon}
 
 
+class MetricSums:
+    """Running per-key sums and counts of the scalars an update records; `means()` at the end."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def record(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+
+
 def _all_reduce_max(value: int) -> int:
     if _world_size() == 1:
         return value
@@ -191,12 +206,8 @@ class PolicyModel:
             data, _ = gather_rows(data, self.sp)
         mini_batch_size = cfg.mini_batch_size * replicas
         response_width = data.batch["responses"].size(1)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def record(key: str, value: float) -> None:
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
+        recorded = MetricSums()
+        record = recorded.record
 
         # On-policy shortcut: with one epoch and one mini-batch, every forward below runs before the
         # only optimiser step, so the current log-probs ARE the old log-probs (no extra pass needed).
@@ -252,13 +263,13 @@ class PolicyModel:
                         record(f"actor/{key}", float(value))
                 grad_norm = self._clip_and_step(cfg.grad_clip, first_bad)
                 record("actor/grad_norm", grad_norm)
-        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics = recorded.means()
         # Loss terms were computed against global normalisers: summing over micro-batches and
         # ranks gives the mini-batch loss; the per-step figure is the mean over mini-batches.
-        n_minis = max(counts.get("actor/grad_norm", 1), 1)
+        n_minis = max(recorded.counts.get("actor/grad_norm", 1), 1)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-            if key in sums:
-                metrics[key] = _all_reduce_sum(sums[key]) / n_minis / replicas
+            if key in recorded.sums:
+                metrics[key] = _all_reduce_sum(recorded.sums[key]) / n_minis / replicas
         for key in list(metrics):
             if key not in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
                 metrics[key] = _all_reduce_sum(metrics[key]) / world

@@ -28,7 +28,7 @@ from rlframe.algos import compute_value_loss
 from rlframe.controller import Dispatch, register
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
-from rlframe.workers.actor import _all_reduce_sum, _world_size, global_agg_kwargs
+from rlframe.workers.actor import MetricSums, _all_reduce_sum, _world_size, global_agg_kwargs
 from rlframe.workers.model import needs_sharding, shard_model, trim_padding_columns
 
 
@@ -145,12 +145,8 @@ class CriticModel:
         cfg = self.settings
         world = _world_size()
         width = data.batch["responses"].size(1)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def record(key: str, value: float) -> None:
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
+        recorded = MetricSums()
+        record = recorded.record
 
         start = time.perf_counter()
         for epoch in range(cfg.epochs):
@@ -179,7 +175,7 @@ class CriticModel:
                 else:  # skip rather than poison the critic (the actor stops after too many in a row)
                     self.optimizer.zero_grad(set_to_none=True)
                     self.consecutive_skips += 1
-        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics = recorded.means()
         for key in ("critic/vf_clipfrac", "critic/vpred_mean"):
             metrics[key] = _all_reduce_sum(metrics[key]) / world
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
