@@ -33,6 +33,25 @@ def build_tiny_model_dir(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray instance per test module (8 logical CPUs); actors import rlframe from where we did."""
+    import ray
+
+    import rlframe
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(rlframe.__file__)))
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if package_root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, paths)])
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama"))

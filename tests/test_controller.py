@@ -2,7 +2,7 @@
 
 The worker classes below are plain classes. Ray ships them to the actors by value (cloudpickle's
 register_pickle_by_value), so the actors need not import this test module; they do import rlframe,
-which the ray_session fixture puts on the actors' PYTHONPATH.
+which the ray_session fixture (conftest.py) puts on the actors' PYTHONPATH.
 """
 
 import contextlib
@@ -15,7 +15,6 @@ import pytest
 import ray
 import torch
 
-import rlframe
 from rlframe.controller import (
     Dispatch,
     Future,
@@ -120,21 +119,6 @@ class BrokenRole:
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray instance for the whole module; actors import rlframe from where we did."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(rlframe.__file__)))
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if package_root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, paths)])
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

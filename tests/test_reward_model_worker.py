@@ -1,13 +1,9 @@
 """RewardModelWorker: a tiny random-init Llama reward model, as a plain object and in a WorkerGroup."""
 
-import os
-
 import numpy as np
 import pytest
-import ray
 import torch
 
-import rlframe
 from rlframe.controller import ResourcePool, WorkerGroup
 from rlframe.protocol import DataProto
 from rlframe.workers.reward_model_worker import RewardModelWorker
@@ -96,20 +92,6 @@ def test_plain_text_without_chat_template(rm_path, tmp_path):
         (tmp_path / "rm" / name).unlink(missing_ok=True)
     worker = RewardModelWorker(CFG, str(tmp_path / "rm"))
     assert worker.render("Q: 1+1? ", "2") == "Q: 1+1? 2"
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(rlframe.__file__)))
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if package_root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, paths)])
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def test_in_a_worker_group(ray_session, rm_path):
