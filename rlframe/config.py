@@ -113,18 +113,22 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"
+    strategy: str = "fsdp"  # the trainer engine (workers/engine/): fsdp (FSDP2); the ref and critic use it too
     world_size: int = 1  # data-parallel ranks of the actor (and colocated rollout / ref)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 8  # prompts per optimiser step (x rollout.n sequences)
     ppo_micro_batch_size_per_device: int = 4  # sequences per forward/backward
     ppo_epochs: int = 1
     shuffle: bool = True
-    policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
+    policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo | cispo | your own (algorithm.custom_policy_loss)
+    # The policy loss's options. "auto": its published default (rlframe/algos/losses.py
+    # POLICY_LOSS_DEFAULTS; vanilla 0.2 / 0.2, dual clip 3.0, token-mean; gspo 3e-4 / 4e-4,
+    # seq-mean-token-mean; cispo no lower bound / 0.28, token-mean). null: no bound (clip_ratio_c:
+    # dual clip off; cispo's clip_ratio_low). Setting a key the loss ignores is an error.
+    clip_ratio_low: Any = "auto"  # ratio range [1 - low, 1 + high]; high > low is DAPO's clip-higher
+    clip_ratio_high: Any = "auto"
+    clip_ratio_c: Any = "auto"  # dual clip (vanilla): for A < 0 the loss is capped at -A * c
+    loss_agg_mode: str = "auto"  # auto | token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     entropy_coeff: float = 0.0
     log_prob_micro_batch_size_per_device: int = 16
     # With one epoch and one mini-batch per step the update is exactly on-policy: the old log-probs
@@ -181,7 +185,6 @@ class RolloutConfig:
     max_num_batched_tokens: int = 4096
     enable_sleep_mode: bool = True  # GPU only: free engine memory while the trainer trains
     enforce_eager: bool = True
-    check_logprob_drift: bool = True
     # Disaggregated placement (trainer.placement=disaggregated): data-parallel engines on their own
     # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.
     world_size: Optional[int] = None
@@ -299,10 +302,30 @@ class ConfigError(ValueError):
     """An inconsistent configuration; the message lists every problem with its key and fix."""
 
 
+POLICY_LOSS_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode")  # actor.*, "auto"-able
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "opo", "reinforce_plus_plus_baseline")  # baseline from the group
+
+
+def apply_algorithm_defaults(cfg: RLConfig) -> RLConfig:
+    """Replace the actor's policy-loss options left at "auto" by the loss's published defaults (in place).
+
+    A key the loss does not read becomes None; one set explicitly is kept (validate_config rejects it
+    if the loss ignores it). Idempotent: nothing is "auto" after the first call.
+    """
+    from rlframe.algos.losses import policy_loss_defaults
+
+    defaults = policy_loss_defaults(cfg.actor.policy_loss)
+    for key in POLICY_LOSS_KEYS:
+        if isinstance(getattr(cfg.actor, key), str) and getattr(cfg.actor, key) == "auto":
+            setattr(cfg.actor, key, defaults.get(key))
+    return cfg
+
+
 def validate_config(cfg: RLConfig) -> None:
     """Check the configuration before any worker starts; raise ConfigError listing all problems."""
     from rlframe.models.provision import is_resolvable
 
+    apply_algorithm_defaults(cfg)
     problems: list[str] = []
 
     def need(condition: bool, key: str, message: str) -> None:
@@ -318,8 +341,13 @@ def validate_config(cfg: RLConfig) -> None:
     need(rollout.engine in ("auto", "vllm", "hf"), "rollout.engine",
          f"'{rollout.engine}' is not one of auto, vllm, hf")
     need(rollout.n >= 1, "rollout.n", "must be >= 1")
-    need(cfg.algorithm.adv_estimator not in ("grpo", "drgrpo", "rloo") or rollout.n >= 2, "rollout.n",
-         f"{cfg.algorithm.adv_estimator} compares samples of one prompt: set rollout.n >= 2")
+    need(cfg.algorithm.adv_estimator not in GROUP_ESTIMATORS or rollout.n >= 2, "rollout.n",
+         f"{cfg.algorithm.adv_estimator} compares samples of one prompt (with one, every advantage is 0): "
+         "set rollout.n >= 2")
+    from rlframe.workers.engine import ENGINES
+
+    need(actor.strategy in ENGINES, "actor.strategy",
+         f"'{actor.strategy}' is not a trainer engine here ({', '.join(ENGINES)}). Fix: actor.strategy=fsdp")
     need(actor.world_size >= 1, "actor.world_size", "must be >= 1")
     need(data.train_batch_size >= 1, "data.train_batch_size", "must be >= 1")
     need(actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", "must be >= 1")
@@ -351,10 +379,6 @@ def validate_config(cfg: RLConfig) -> None:
             need(Path(f).exists(), "data.train_files/val_files",
                  f"'{f}' does not exist. Fix: create it (e.g. python examples/data_preprocess/gsm8k.py "
                  "--input_dir ../shared/data/gsm8k --output_dir data/gsm8k) or point the key at your file")
-    need(actor.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-         "actor.loss_agg_mode", f"'{actor.loss_agg_mode}' is not a known aggregation mode")
-    need(0 < actor.clip_ratio_low < 1 and actor.clip_ratio_high > 0, "actor.clip_ratio_low/high",
-         "clip ratios must be in (0, 1) for low and > 0 for high")
     need(cfg.trainer.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     need(cfg.trainer.device in ("auto", "cpu", "cuda"), "trainer.device", "must be auto, cpu or cuda")
     if cfg.reward_model.enable:
@@ -374,9 +398,7 @@ def validate_config(cfg: RLConfig) -> None:
          "restarts resume from a checkpoint. Fix: set trainer.save_every >= 1 too")
     need(trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates", "must be >= 1")
     _validate_algorithm(cfg, need)
-    from rlframe.controller.placement import validate_placement
-
-    validate_placement(cfg, need)
+    _validate_placement(cfg, need)
     unknown_loggers = set(cfg.trainer.loggers) - {"console", "jsonl", "wandb", "tensorboard"}
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
     if problems:
@@ -384,8 +406,8 @@ def validate_config(cfg: RLConfig) -> None:
 
 
 def _validate_algorithm(cfg: RLConfig, need) -> None:
-    """PPO/critic, KL-in-reward, DAPO and plugin keys (see rlframe/algos)."""
-    from rlframe.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES
+    """Policy loss, PPO/critic, KL-in-reward, DAPO and plugin keys (see rlframe/algos)."""
+    from rlframe.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES, policy_loss_defaults
     from rlframe.algos.kl import KL_KINDS
 
     algo, critic, rollout = cfg.algorithm, cfg.critic, cfg.rollout
@@ -400,6 +422,24 @@ def _validate_algorithm(cfg: RLConfig, need) -> None:
     need(cfg.actor.policy_loss in set(POLICY_LOSSES) | {algo.custom_policy_loss.name}, "actor.policy_loss",
          f"'{cfg.actor.policy_loss}' is not a registered policy loss ({', '.join(sorted(POLICY_LOSSES))}). "
          "Fix: pick one, or load your own with algorithm.custom_policy_loss={path: ..., name: ...}")
+    actor, reads = cfg.actor, policy_loss_defaults(cfg.actor.policy_loss)  # the keys the loss reads -> defaults
+    for key in POLICY_LOSS_KEYS:
+        need(key in reads or getattr(actor, key) is None, f"actor.{key}",
+             f"the {actor.policy_loss} policy loss ignores it (it reads {', '.join(reads)}). "
+             f"Fix: remove actor.{key} (or set it to auto), or pick a policy loss that uses it.")
+    need(actor.loss_agg_mode in AGG_MODES, "actor.loss_agg_mode",
+         f"'{actor.loss_agg_mode}' is not one of auto, {', '.join(AGG_MODES)}")
+    low, high, c = actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c
+    if "clip_ratio_low" in reads:
+        need((low is None and reads["clip_ratio_low"] is None) or (_is_number(low) and 0 < low < 1),
+             "actor.clip_ratio_low", f"{low!r}: must be a number in (0, 1) (the ratio's lower bound is 1 - low)"
+             + (", or null for none" if reads["clip_ratio_low"] is None else ""))
+    if "clip_ratio_high" in reads:
+        need(_is_number(high) and high > 0, "actor.clip_ratio_high",
+             f"{high!r}: must be a number > 0 (the ratio's upper bound is 1 + high)")
+    if "clip_ratio_c" in reads:
+        need(c is None or (_is_number(c) and c > 1), "actor.clip_ratio_c",
+             f"{c!r}: must be a number > 1, or null to turn the dual clip off")
     need(algo.kl_penalty in KL_KINDS, "algorithm.kl_penalty", f"'{algo.kl_penalty}' is not one of {', '.join(KL_KINDS)}")
     need(algo.kl_ctrl.type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type", "must be fixed or adaptive")
     need(algo.kl_ctrl.type != "adaptive" or (algo.kl_ctrl.target_kl > 0 and algo.kl_ctrl.horizon > 0),
@@ -425,6 +465,49 @@ def _validate_algorithm(cfg: RLConfig, need) -> None:
     need(cfg.trainer.critic_warmup >= 0, "trainer.critic_warmup", "must be >= 0")
     need(cfg.trainer.critic_warmup == 0 or algo.adv_estimator == "gae", "trainer.critic_warmup",
          "only PPO with a critic (algorithm.adv_estimator=gae) has a critic to warm up. Fix: trainer.critic_warmup=0")
+
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+def rollout_world_size(cfg: RLConfig) -> int:
+    return cfg.rollout.world_size or cfg.actor.world_size
+
+
+def devices_needed(cfg: RLConfig) -> int:
+    if cfg.trainer.placement == "disaggregated":
+        return cfg.actor.world_size + rollout_world_size(cfg)
+    return cfg.actor.world_size
+
+
+def _validate_placement(cfg: RLConfig, need) -> None:
+    """Placement keys (the cluster itself is checked when the workers start, before any of them does)."""
+    t = cfg.trainer
+    need(t.placement in PLACEMENTS, "trainer.placement", f"'{t.placement}' is not one of {', '.join(PLACEMENTS)}")
+    need(t.nnodes >= 1, "trainer.nnodes", "must be >= 1")
+    need(t.devices_per_node is None or t.devices_per_node >= 1, "trainer.devices_per_node", "must be >= 1")
+    need(t.nnodes == 1 or t.devices_per_node is not None, "trainer.devices_per_node",
+         f"trainer.nnodes={t.nnodes} needs the devices of each node. Fix: trainer.devices_per_node=<GPUs per node>")
+    need(not t.node_resources or len(t.node_resources) == t.nnodes, "trainer.node_resources",
+         f"gives {len(t.node_resources)} resource names for trainer.nnodes={t.nnodes}. Fix: one per node")
+    rw = cfg.rollout.world_size
+    need(rw is None or rw >= 1, "rollout.world_size", "must be >= 1")
+    need(rw is None or t.placement == "disaggregated" or rw == cfg.actor.world_size, "rollout.world_size",
+         "in colocated placement the engines share the actor's devices (rollout.world_size = actor.world_size). "
+         "Fix: drop rollout.world_size, or trainer.placement=disaggregated")
+    need(cfg.rollout.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", "must be >= 1")
+    need(t.cpus_per_worker is None or t.cpus_per_worker > 0, "trainer.cpus_per_worker", "must be > 0")
+    if t.devices_per_node is not None and t.nnodes >= 1 and t.placement in PLACEMENTS:
+        have = t.nnodes * t.devices_per_node
+        need(devices_needed(cfg) <= have, "trainer.devices_per_node",
+             f"{t.placement} placement needs {devices_needed(cfg)} devices "
+             + (f"(actor.world_size={cfg.actor.world_size} + rollout.world_size={rollout_world_size(cfg)})"
+                if t.placement == "disaggregated" else f"(actor.world_size={cfg.actor.world_size})")
+             + f" but trainer.nnodes x trainer.devices_per_node = {have}. Fix: raise one of them or lower the world sizes")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _resolvable(path: str) -> bool:

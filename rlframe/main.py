@@ -15,10 +15,19 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlframe.config import ConfigError, RLConfig, validate_config
+from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RECIPES_DIR = REPO_ROOT / "recipes"
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+
+
+def shipped_dir(name: str) -> Path:
+    """recipes/ or reward_fns/: next to the package in a checkout, inside it in an installed wheel."""
+    in_checkout = REPO_ROOT / name
+    return in_checkout if in_checkout.is_dir() else PACKAGE_DIR / name
+
+
+RECIPES_DIR = shipped_dir("recipes")
 
 
 class UsageError(SystemExit):
@@ -65,17 +74,19 @@ def compose_config(argv: list[str]) -> RLConfig:
         raise UsageError(f"in recipe '{recipe}' or its overrides: {err}\n"
                          "Fix: check the key names against rlframe/config.py (e.g. actor.optim.lr=1e-6).") from None
     cfg: RLConfig = OmegaConf.to_object(merged)
-    # Reward scripts named relative to the repository (reward_fns/...) work from any directory.
+    # Reward scripts named relative to the repository (reward_fns/...) work from any directory,
+    # and from an installed wheel (which ships reward_fns/ inside the package).
     for fn in cfg.reward.functions:
-        if not Path(fn.path).exists() and (REPO_ROOT / fn.path).exists():
-            fn.path = str(REPO_ROOT / fn.path)
+        shipped = shipped_dir("reward_fns").parent / fn.path
+        if not Path(fn.path).exists() and shipped.exists():
+            fn.path = str(shipped)
     # So are user estimator/loss files; made absolute, since workers may run elsewhere.
     for plugin in (cfg.algorithm.custom_estimator, cfg.algorithm.custom_policy_loss):
         if plugin.path and not Path(plugin.path).exists() and (REPO_ROOT / plugin.path).exists():
             plugin.path = str(REPO_ROOT / plugin.path)
         if plugin.path and Path(plugin.path).exists():
             plugin.path = str(Path(plugin.path).resolve())
-    return cfg
+    return apply_algorithm_defaults(cfg)  # "auto" policy-loss options -> the loss's published defaults
 
 
 def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
@@ -98,9 +109,10 @@ def init_ray(cfg: RLConfig) -> None:
                 "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     # Join RAY_ADDRESS / trainer.ray_address (e.g. auto) or start a local cluster; trainer.runtime_env
     # (env vars, working dir) reaches every worker on every node.
-    from rlframe.controller.cluster import connect
+    from rlframe.controller.cluster import connect, runtime_env
 
-    connect(cfg, env_vars)
+    env_vars.update(cfg.trainer.runtime_env.env_vars)
+    connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, runtime_env(env_vars, cfg.trainer.runtime_env.working_dir))
 
 
 def run(cfg: RLConfig) -> dict:
@@ -120,10 +132,13 @@ def run(cfg: RLConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
     init_ray(cfg)
-    from rlframe.controller.cluster import ClusterTooSmall, check_cluster
+    from rlframe.controller.cluster import ClusterTooSmall, check_cluster, list_nodes, print_nodes
+    from rlframe.trainer.launch import cluster_request
 
-    try:  # prints the nodes; too few devices is an error here, before any worker starts
-        check_cluster(cfg)
+    nodes = list_nodes()
+    print_nodes(nodes)
+    try:  # too few devices is an error here, before any worker starts
+        check_cluster(cluster_request(cfg, nodes), nodes)
     except ClusterTooSmall as err:
         raise UsageError(str(err)) from None
     trainer = RLTrainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)

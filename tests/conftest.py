@@ -97,3 +97,38 @@ def run_tiny(tmp_path: Path, model_dir: Path, recipe: str, *extra: str) -> tuple
                        *extra], cwd=tmp_path)
     assert result.returncode == 0, f"run failed:\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
     return run_dir, result
+
+
+CPU_DEVICE = {"device": "cpu", "dtype": "float32", "attn_implementation": "sdpa", "rollout_engine": "hf"}
+
+
+def plain_actor(model_dir, *, lr=1e-6, warmup_steps=0, max_consecutive_skips=3, mini_batch_size=8, micro_batch_size=4,
+                max_tokens_per_micro_batch=0, shuffle=True, packed="false", seed=0, **loss):
+    """The actor role as a plain object in this process (no Ray, no rollout engine), on the FSDP engine.
+
+    `loss`: PolicyLossSettings fields (use_kl_loss, kl_loss_coef, ...)."""
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
+    from rlframe.workers.settings import (ActorSettings, DeviceRequest, EngineSettings, ForwardSettings, OptimSettings,
+                                         PolicyLossSettings, UpdateLoop)
+
+    engine = EngineSettings(model_path=str(model_dir), device=DeviceRequest(**CPU_DEVICE), use_remove_padding=packed,
+                            optim=OptimSettings(lr=lr, warmup_steps=warmup_steps,
+                                                max_consecutive_skips=max_consecutive_skips))
+    loop = UpdateLoop(mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+                      max_tokens_per_micro_batch=max_tokens_per_micro_batch, shuffle=shuffle)
+    return ActorRolloutWorker(ActorSettings(engine=engine, loop=loop, loss=PolicyLossSettings(**loss),
+                                            log_prob=ForwardSettings(), rollout=None, seed=seed))
+
+
+def plain_critic(model_dir, *, lr=1e-5, head_lr=1e-3, mini_batch_size=8, micro_batch_size=4, epochs=1,
+                 cliprange_value=0.5, max_consecutive_skips=3):
+    """The critic role as a plain object in this process, on the FSDP engine with a value head."""
+    from rlframe.workers.roles.critic import CriticWorker
+    from rlframe.workers.settings import (CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
+                                         OptimSettings, UpdateLoop)
+
+    engine = EngineSettings(model_path=str(model_dir), head="value", device=DeviceRequest(**CPU_DEVICE),
+                            optim=OptimSettings(lr=lr, head_lr=head_lr, max_consecutive_skips=max_consecutive_skips))
+    return CriticWorker(CriticSettings(engine=engine, loop=UpdateLoop(mini_batch_size=mini_batch_size,
+                                                                      micro_batch_size=micro_batch_size, epochs=epochs),
+                                       forward=ForwardSettings(), cliprange_value=cliprange_value))

@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from rlframe.config import RLConfig, to_container
+from rlframe.config import RLConfig
 from rlframe.controller import ResourcePool, WorkerGroup
 from rlframe.protocol import DataProto
 
@@ -45,7 +45,8 @@ def synthetic_batch(vocab: int, n: int = 8, prompt: int = 6, response: int = 5) 
 
 
 def run_update(model_dir, world_size: int, micro: int, tmp_path, sequence_parallel: int = 1, packed: str = "auto"):
-    from rlframe.workers.fsdp_workers import ActorRolloutWorker
+    from rlframe.trainer.worker_settings import actor_settings
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
 
     cfg = RLConfig()
     cfg.rollout.engine = "hf"
@@ -59,7 +60,7 @@ def run_update(model_dir, world_size: int, micro: int, tmp_path, sequence_parall
     cfg.actor.ulysses_sequence_parallel_size = sequence_parallel
     cfg.actor.use_remove_padding = packed
     pool = ResourcePool([world_size], cpus_per_bundle=1, name=f"dp{world_size}")
-    group = WorkerGroup(pool, {"actor_rollout": (ActorRolloutWorker, {"cfg": to_container(cfg), "model_path": str(model_dir)})},
+    group = WorkerGroup(pool, {"actor_rollout": (ActorRolloutWorker, {"settings": actor_settings(cfg, str(model_dir))})},
                         default_timeout_s=300)
     try:
         actor = group.role("actor_rollout")

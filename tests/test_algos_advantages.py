@@ -112,6 +112,24 @@ def test_remax_subtracts_baseline_rewards():
         run("remax", groups=None)
 
 
+def test_remax_with_kl_in_reward_uses_return_to_go():
+    # token rewards = outcome on the last token - a KL penalty on every token; junk past the mask
+    rewards = torch.tensor([[-0.1, -0.2, 1.0 - 0.3], [-0.05, 0.95, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    baseline = torch.tensor([0.5, 1.0])
+    advantages, returns = get_advantage_estimator("remax")(rewards, mask, None, config=AdvantageConfig(),
+                                                           baseline_rewards=baseline)
+    # row 0: return-to-go 0.4, 0.5, 0.7 (-0.1 - 0.2 + 0.7, -0.2 + 0.7, 0.7) minus 0.5
+    # row 1: return-to-go 0.9, 0.95 minus 1.0; the masked token gets 0
+    expected = torch.tensor([[-0.1, 0.0, 0.2], [-0.1, -0.05, 0.0]])
+    assert torch.allclose(advantages, expected, atol=1e-6)
+    assert torch.equal(returns, advantages)
+    # gamma is not ReMax's: the same advantages with any gamma
+    discounted = AdvantageConfig(gamma=0.5)
+    again, _ = get_advantage_estimator("remax")(rewards, mask, None, config=discounted, baseline_rewards=baseline)
+    assert torch.allclose(again, expected, atol=1e-6)
+
+
 def test_reinforce_plus_plus_baseline_whitens_centred_scores():
     advantages, returns = run("reinforce_plus_plus_baseline")
     # centred scores per row: 0.5, -0.5, -1, 0, 1, 0 ; broadcast over the 13 masked tokens

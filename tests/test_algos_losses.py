@@ -7,12 +7,15 @@ import torch
 
 from rlframe.algos import (
     AGG_MODES,
+    POLICY_LOSS_DEFAULTS,
     POLICY_LOSSES,
     PolicyLossConfig,
     agg_loss,
     entropy_from_logits,
     get_policy_loss,
     log_probs_from_logits,
+    policy_loss_config,
+    policy_loss_defaults,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -73,7 +76,8 @@ def _global_agg(mode, mask):
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_micro_batch_split_gives_same_gradient(mode, loss_name):
     old_log_prob, log_prob, advantages, mask = _make_batch()
-    config = PolicyLossConfig(gspo_clip_low=0.2, gspo_clip_high=0.3)  # wide enough to see gradients
+    wide = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3} if loss_name == "gspo" else {}  # to see gradients
+    config = policy_loss_config(loss_name, **wide)
     loss_fn = get_policy_loss(loss_name)
     agg = _global_agg(mode, mask)
 
@@ -186,7 +190,7 @@ def test_gspo_hand_computed():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     advantages = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
     loss, metrics = get_policy_loss("gspo")(
-        old_log_prob, log_prob, advantages, mask, config=PolicyLossConfig(), agg={"mode": "seq-mean-token-mean"}
+        old_log_prob, log_prob, advantages, mask, config=policy_loss_config("gspo"), agg={"mode": "seq-mean-token-mean"}
     )
     # row 0: s = exp(0.2) = 1.2214 > 1 + 4e-4 -> clipped: loss -1.0004, no gradient
     # row 1: s = exp(-0.2) = 0.8187 < 1 - 3e-4 -> max(-0.8187, -0.9997) = -0.8187 (unclipped)
@@ -203,7 +207,7 @@ def test_gspo_hand_computed():
 def test_gspo_token_form_matches_sequence_form_gradient():
     """With seq-mean-token-mean the straight-through token form gives grad of the sequence objective."""
     old_log_prob, log_prob, advantages, mask = _make_batch(seed=3)
-    config = PolicyLossConfig(gspo_clip_low=0.05, gspo_clip_high=0.05)
+    config = PolicyLossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05)
     token_leaf = log_prob.clone().requires_grad_(True)
     loss, _ = get_policy_loss("gspo")(
         old_log_prob, token_leaf, advantages, mask, config=config, agg={"mode": "seq-mean-token-mean"}
@@ -233,7 +237,7 @@ def test_cispo_hand_computed():
     advantages = torch.tensor([[1.0, -1.0, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     loss, metrics = get_policy_loss("cispo")(
-        old_log_prob, log_prob, advantages, mask, config=PolicyLossConfig(), agg={"mode": "token-mean"}
+        old_log_prob, log_prob, advantages, mask, config=policy_loss_config("cispo"), agg={"mode": "token-mean"}
     )
     # weights: min(2, 1.28) = 1.28, 0.5 (no lower bound); l = -w * A * log_prob
     lp = log_prob.detach()[0]
@@ -245,11 +249,44 @@ def test_cispo_hand_computed():
     assert torch.allclose(log_prob.grad, torch.tensor([[-1.28 / 2, 0.5 / 2, 0.0]]))
 
     # an optional lower bound: max(0.5, 1 - 0.2) = 0.8
-    with_low = PolicyLossConfig(cispo_clip_low=0.2)
+    with_low = policy_loss_config("cispo", clip_ratio_low=0.2)
     log_prob.grad = None
     loss, _ = get_policy_loss("cispo")(old_log_prob, log_prob, advantages, mask, config=with_low)
     loss.backward()
     assert torch.allclose(log_prob.grad, torch.tensor([[-1.28 / 2, 0.8 / 2, 0.0]]))
+
+
+def test_vanilla_needs_a_lower_bound():
+    with pytest.raises(ValueError, match="clip_ratio_low"):
+        get_policy_loss("vanilla")(torch.zeros(2, 4), RATIOS.log(), ADVANTAGES, MASK,
+                                   config=PolicyLossConfig(clip_ratio_low=None))
+
+
+# ----------------------------------------------------------------------------------------------
+# published defaults
+
+
+def test_each_loss_has_its_published_defaults():
+    assert policy_loss_defaults("vanilla") == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
+                                               "loss_agg_mode": "token-mean"}
+    # GSPO: the paper's sequence-ratio range and per-sequence objective; it has no dual clip
+    assert policy_loss_defaults("gspo") == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,
+                                            "loss_agg_mode": "seq-mean-token-mean"}
+    # CISPO: no lower bound on the weight, an upper one; token-mean over the batch; no dual clip
+    assert policy_loss_defaults("cispo") == {"clip_ratio_low": None, "clip_ratio_high": 0.28,
+                                             "loss_agg_mode": "token-mean"}
+    assert set(POLICY_LOSS_DEFAULTS) == {"vanilla", "gspo", "cispo"}
+    # a user's loss gets a whole PolicyLossConfig: vanilla's numbers
+    assert policy_loss_defaults("my_loss") == policy_loss_defaults("vanilla")
+    # a copy: the table cannot be changed through it
+    policy_loss_defaults("gspo")["clip_ratio_low"] = 1.0
+    assert POLICY_LOSS_DEFAULTS["gspo"]["clip_ratio_low"] == 3e-4
+
+
+def test_policy_loss_config_from_defaults():
+    assert policy_loss_config("vanilla") == PolicyLossConfig() == PolicyLossConfig(0.2, 0.2, 3.0)
+    assert policy_loss_config("gspo") == PolicyLossConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4, clip_ratio_c=None)
+    assert policy_loss_config("cispo", clip_ratio_high=0.5) == PolicyLossConfig(None, 0.5, None)
 
 
 def test_policy_loss_registry():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rlframe.algos.batching import balanced_equal_size_partition, split_by_token_budget
-from rlframe.device import detect_profile
+from conftest import plain_actor
 from rlframe.protocol import DataProto
-from rlframe.workers.actor import PolicyModel, UpdateSettings, micro_batch_indices
+from rlframe.workers.engine.base import micro_batch_indices
 
 
 def test_split_by_token_budget_hand_case():
@@ -63,20 +63,19 @@ def _batch(vocab):
 
 @pytest.mark.parametrize("max_tokens", [12, 30])
 def test_dynamic_micro_batches_give_same_update_as_fixed(tiny_model_dir, max_tokens):
-    profile = detect_profile("cpu", rollout_engine="hf")
-
     def gradients(settings):
         # The gradient of the (single) mini-batch stays on the parameters after the update. Compare
         # gradients, not Adam-updated weights: Adam turns float-level noise in near-zero gradients
         # into lr-sized steps.
         torch.manual_seed(0)
-        policy = PolicyModel(str(tiny_model_dir), profile, train=settings)
-        metrics = policy.update(_batch(policy.model.config.vocab_size))
-        return metrics, {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+        actor = plain_actor(tiny_model_dir, **settings)
+        model = actor.engine.model
+        metrics = actor.update_actor(_batch(model.config.vocab_size)).meta_info["metrics"]
+        return metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     common = dict(lr=1e-3, mini_batch_size=8, shuffle=False, use_kl_loss=True, kl_loss_coef=0.1)
-    fixed_metrics, fixed = gradients(UpdateSettings(micro_batch_size=8, **common))
-    dyn_metrics, dynamic = gradients(UpdateSettings(micro_batch_size=8, max_tokens_per_micro_batch=max_tokens, **common))
+    fixed_metrics, fixed = gradients(dict(micro_batch_size=8, **common))
+    dyn_metrics, dynamic = gradients(dict(micro_batch_size=8, max_tokens_per_micro_batch=max_tokens, **common))
     assert fixed_metrics["actor/grad_norm"] == pytest.approx(dyn_metrics["actor/grad_norm"], rel=1e-4)
     assert fixed_metrics["actor/pg_loss"] == pytest.approx(dyn_metrics["actor/pg_loss"], rel=1e-4, abs=1e-7)
     for name in fixed:

@@ -82,12 +82,14 @@ def test_rng_state_round_trip_through_json():
 
 
 def _policy(model_dir):
-    from rlframe.device import detect_profile
-    from rlframe.workers.actor import PolicyModel, UpdateSettings
+    from conftest import plain_actor
 
-    settings = UpdateSettings(lr=1e-2, mini_batch_size=8, micro_batch_size=4, shuffle=True, use_kl_loss=True,
-                              kl_loss_coef=0.1, warmup_steps=3)
-    return PolicyModel(str(model_dir), detect_profile("cpu", "float32", "sdpa", "hf"), train=settings)
+    return plain_actor(model_dir, lr=1e-2, mini_batch_size=8, micro_batch_size=4, shuffle=True, use_kl_loss=True,
+                       kl_loss_coef=0.1, warmup_steps=3)
+
+
+def _update(actor, batch):
+    return actor.update_actor(batch).meta_info["metrics"]
 
 
 def _batch(model_dir, step):
@@ -102,26 +104,25 @@ def _batch(model_dir, step):
 def test_actor_state_round_trip_resumes_bit_identically(tiny_model_dir, tmp_path):
     """Update, save, update again -> A. Fresh model, load, update -> B. A == B exactly (same process
     layout, same arithmetic: fp32 on CPU is deterministic), including LR warmup and RNG draws."""
-    from rlframe.workers.checkpointing import load_policy, save_policy
-
     torch.manual_seed(0)
     first = _policy(tiny_model_dir)
-    first.update(_batch(tiny_model_dir, 1), seed=1)
-    save_policy(first, tmp_path / "actor", model_path=str(tiny_model_dir))
-    metrics_a = first.update(_batch(tiny_model_dir, 2), seed=2)
+    _update(first, _batch(tiny_model_dir, 1))  # the update's shuffle seed is seed + step
+    first.engine.save_state(str(tmp_path / "actor"), tokenizer_source=str(tiny_model_dir))
+    metrics_a = _update(first, _batch(tiny_model_dir, 2))
     noise_a = torch.rand(3)
 
-    torch.manual_seed(123)  # a different RNG state before loading: load must restore it
     second = _policy(tiny_model_dir)
-    load_policy(second, tmp_path / "actor")
-    assert second.optimizer_steps == 1 and second.scheduler.last_epoch == 1
-    metrics_b = second.update(_batch(tiny_model_dir, 2), seed=2)
+    torch.manual_seed(123)  # a different RNG state before loading: load must restore it
+    second.engine.load_state(str(tmp_path / "actor"))
+    assert second.engine.optimizer_steps == 1 and second.engine.scheduler.last_epoch == 1
+    metrics_b = _update(second, _batch(tiny_model_dir, 2))
     noise_b = torch.rand(3)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr"):
         assert metrics_a[key] == metrics_b[key], key
-    for (name, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values()):
+    for (name, a), b in zip(first.engine.model.state_dict().items(), second.engine.model.state_dict().values()):
         assert torch.equal(a, b), name
     assert torch.equal(noise_a, noise_b)
     # the actor folder is a loadable HF model (config + tokenizer + safetensors, no pickle)
-    assert {"model.safetensors", "optimizer.pt", "rank_0.pt", "config.json"} <= {p.name for p in (tmp_path / "actor").iterdir()}
+    assert {"model.safetensors", "optimizer.pt", "rank_0.pt", "config.json", "generation_config.json",
+            "tokenizer.json"} <= {p.name for p in (tmp_path / "actor").iterdir()}
     torch.load(tmp_path / "actor" / "optimizer.pt", weights_only=True)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rlframe.device import detect_profile
+from conftest import plain_critic
 from rlframe.protocol import DataProto
-from rlframe.workers.critic import CriticModel, CriticSettings
 
 
 def _batch(prompt_width=5, response_width=4, rows=4, vocab=50):
@@ -25,26 +24,33 @@ def _batch(prompt_width=5, response_width=4, rows=4, vocab=50):
 
 
 def test_critic_starts_at_zero_learns_returns_and_keeps_alignment(tiny_model_dir):
-    profile = detect_profile("cpu", "auto", "auto", "hf")
-    critic = CriticModel(str(tiny_model_dir), profile, CriticSettings(lr=1e-4, head_lr=1e-2, mini_batch_size=4,
-                                                                       micro_batch_size=2, epochs=1,
-                                                                       cliprange_value=0.0))
+    role = plain_critic(tiny_model_dir, lr=1e-4, head_lr=1e-2, mini_batch_size=4, micro_batch_size=2, epochs=1,
+                        cliprange_value=0.0)
+    critic = role.engine
+
+    def compute_values(data):
+        return role.compute_values(data).batch["values"]
+
+    def update(data, step):
+        data.meta_info["step"] = step
+        return role.update_critic(data).meta_info["metrics"]
+
     data = _batch()
-    values = critic.compute_values(data)
+    values = compute_values(data)
     assert values.shape == (4, 4) and torch.count_nonzero(values) == 0  # zero-initialised head
     data.batch["values"] = values
     data.batch["returns"] = torch.full((4, 4), 0.5) * data.batch["response_mask"]
-    losses = [critic.update(data, seed=step)["critic/vf_loss"] for step in range(30)]
+    losses = [update(data, step)["critic/vf_loss"] for step in range(30)]
     assert losses[-1] < 0.2 * losses[0]
     assert critic.optimizer_steps == 30
-    after = critic.compute_values(data)
+    after = compute_values(data)
     mask = data.batch["response_mask"].bool()
     assert (after[mask] - 0.5).abs().mean() < 0.1
     assert torch.count_nonzero(after[~mask]) == 0  # masked positions stay 0
     # alignment: the value of response token t depends only on the tokens before it
     changed = data[[2]]
     changed.batch["input_ids"][0, -1] = (changed.batch["input_ids"][0, -1] + 1) % 50
-    v_changed = critic.compute_values(changed)
+    v_changed = compute_values(changed)
     assert torch.allclose(v_changed[0], after[2], atol=1e-5)
     # the head has its own learning rate
     assert [g["lr"] for g in critic.optimizer.param_groups] == [1e-4, 1e-2]

@@ -10,7 +10,7 @@ import sys
 import ray
 import torch
 
-from rlframe.config import RLConfig, to_container
+from rlframe.config import RLConfig
 from rlframe.controller import ResourcePool, WorkerGroup
 from rlframe.trainer import checkpoint as ckpt
 from test_actor_data_parallel import synthetic_batch
@@ -19,8 +19,9 @@ from test_actor_data_parallel import synthetic_batch
 def test_export_from_world_size_2_matches_trainer(tiny_model_dir, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlframe.workers.fsdp_workers import ActorRolloutWorker
-    from rlframe.workers.model import forward_response_log_probs
+    from rlframe.trainer.worker_settings import actor_settings
+    from rlframe.workers.engine.hf_model import forward_response_log_probs
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
 
     cfg = RLConfig()
     cfg.rollout.engine, cfg.rollout.n, cfg.actor.world_size = "hf", 2, 2
@@ -30,8 +31,8 @@ def test_export_from_world_size_2_matches_trainer(tiny_model_dir, tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
         pool = ResourcePool([2], cpus_per_bundle=1, name="export")
-        group = WorkerGroup(pool, {"actor_rollout": (ActorRolloutWorker, {"cfg": to_container(cfg),
-                                                                          "model_path": str(tiny_model_dir)})},
+        group = WorkerGroup(pool, {"actor_rollout": (ActorRolloutWorker,
+                                                     {"settings": actor_settings(cfg, str(tiny_model_dir))})},
                             default_timeout_s=300)
         actor = group.role("actor_rollout")
         actor.update_actor(batch)

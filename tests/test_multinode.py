@@ -171,7 +171,7 @@ def test_disaggregated_vllm_engines_with_their_own_dp_size(cluster, tmp_path, ti
 
 def test_plan_pools_and_validation():
     from rlframe.config import RLConfig, validate_config, ConfigError
-    from rlframe.controller.placement import plan_pools
+    from rlframe.trainer.launch import plan_placement as plan_pools
 
     cfg = RLConfig()
     cfg.trainer.placement, cfg.trainer.nnodes, cfg.trainer.devices_per_node = "disaggregated", 2, 4
@@ -242,7 +242,12 @@ def test_bucketed_weight_broadcast_over_a_standalone_group():
 def test_cluster_check_names_what_is_short_where():
     """check_cluster on a described cluster (no Ray needed): each shortage names the resource and the node."""
     from rlframe.config import RLConfig
-    from rlframe.controller.cluster import ClusterTooSmall, NodeInfo, check_cluster
+    from rlframe.controller.cluster import ClusterTooSmall, NodeInfo
+    from rlframe.controller.cluster import check_cluster as check_request
+    from rlframe.trainer.launch import cluster_request
+
+    def check_cluster(cfg, nodes, quiet=True):
+        return check_request(cluster_request(cfg, nodes), nodes)
 
     nodes = [NodeInfo("aaaaaaaa11", "10.0.0.1", {"CPU": 16, "GPU": 8}, is_head=True, custom={"trainer_node": 1}),
              NodeInfo("bbbbbbbb22", "10.0.0.2", {"CPU": 16, "GPU": 4, "rollout_node": 1}, custom={"rollout_node": 1})]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlframe.workers.attention import VARLEN_SDPA, packed_layout, register_varlen_attention
-from rlframe.workers.model import forward_response_log_probs
+from rlframe.workers.engine.hf_model import forward_response_log_probs
 
 BATCH, PROMPT, RESPONSE = 4, 7, 6
 PROMPT_LENGTHS, RESPONSE_LENGTHS = [7, 3, 5, 1], [6, 2, 4, 1]

@@ -6,10 +6,16 @@ import torch
 
 from rlframe.controller import ResourcePool, WorkerGroup
 from rlframe.protocol import DataProto
-from rlframe.workers.reward_model_worker import RewardModelWorker
+from rlframe.workers.roles.reward_model import RewardModelWorker
+from rlframe.workers.settings import DeviceRequest, RewardModelSettings
 from tests.helpers_tokenizer import build_tokenizer
 
-CFG = {"trainer": {"device": "cpu"}, "reward_model": {"max_length": 128, "micro_batch_size": 2}}
+
+
+def rm_settings(path, max_length: int = 128, micro_batch_size: int = 2) -> RewardModelSettings:
+    return RewardModelSettings(model_path=str(path), device=DeviceRequest(device="cpu"), max_length=max_length,
+                               micro_batch_size=micro_batch_size)
+
 PROMPTS = ["What is 12 plus 7?", "Tom has 7 apples.", [{"role": "user", "content": "What is 3 + 4?"}]]
 RESPONSES = ["The answer is 19. #### 19", "He has 12 apples.", "7"]
 
@@ -48,7 +54,7 @@ def reference_scores(rm_path, texts):
 
 
 def test_plain_object(rm_path):
-    worker = RewardModelWorker(CFG, rm_path)
+    worker = RewardModelWorker(rm_settings(rm_path))
     text = worker.render(PROMPTS[0], RESPONSES[0])
     assert text == ("<|im_start|>user\nWhat is 12 plus 7?<|im_end|>\n"
                     "<|im_start|>assistant\nThe answer is 19. #### 19<|im_end|>\n")
@@ -62,15 +68,14 @@ def test_plain_object(rm_path):
 
 
 def test_missing_fields_are_named(rm_path):
-    worker = RewardModelWorker(CFG, rm_path)
+    worker = RewardModelWorker(rm_settings(rm_path))
     data = DataProto.from_dict(non_tensors={"raw_prompt": ["hi"]})
     with pytest.raises(KeyError, match="responses_text"):
         worker.compute_rm_score(data)
 
 
 def test_long_inputs_keep_their_end(rm_path):
-    cfg = {"trainer": {"device": "cpu"}, "reward_model": {"max_length": 16}}
-    worker = RewardModelWorker(cfg, rm_path)
+    worker = RewardModelWorker(rm_settings(rm_path, max_length=16, micro_batch_size=8))
     long_prompt = "apples " * 200
     a = worker.compute_rm_score(batch([long_prompt], ["#### 19"])).batch["rm_scores"]
     b = worker.compute_rm_score(batch(["x " + long_prompt], ["#### 19"])).batch["rm_scores"]
@@ -90,18 +95,18 @@ def test_plain_text_without_chat_template(rm_path, tmp_path):
         tokenizer.chat_template = saved
     for name in ("chat_template.jinja", "chat_template.json"):
         (tmp_path / "rm" / name).unlink(missing_ok=True)
-    worker = RewardModelWorker(CFG, str(tmp_path / "rm"))
+    worker = RewardModelWorker(rm_settings(tmp_path / "rm"))
     assert worker.render("Q: 1+1? ", "2") == "Q: 1+1? 2"
 
 
 def test_in_a_worker_group(ray_session, rm_path):
     pool = ResourcePool([2], cpus_per_bundle=1, name="rm")
     try:
-        with WorkerGroup(pool, {"rm": (RewardModelWorker, {"cfg": CFG, "model_path": rm_path})},
+        with WorkerGroup(pool, {"rm": (RewardModelWorker, {"settings": rm_settings(rm_path)})},
                          name="rm", default_timeout_s=300) as group:
             out = group.rm.compute_rm_score(batch())  # 3 rows over 2 ranks: padded, then unpadded
     finally:
         pool.remove()
     assert out.batch["rm_scores"].shape == (3,)
-    local = RewardModelWorker(CFG, rm_path).compute_rm_score(batch()).batch["rm_scores"]
+    local = RewardModelWorker(rm_settings(rm_path)).compute_rm_score(batch()).batch["rm_scores"]
     torch.testing.assert_close(out.batch["rm_scores"], local, rtol=1e-4, atol=1e-5)

@@ -14,12 +14,15 @@ from rlframe.algos.kl import (
 )
 from rlframe.algos.losses import (
     AGG_MODES,
+    POLICY_LOSS_DEFAULTS,
     POLICY_LOSSES,
     PolicyLossConfig,
     agg_loss,
     entropy_from_logits,
     get_policy_loss,
     log_probs_from_logits,
+    policy_loss_config,
+    policy_loss_defaults,
     register_policy_loss,
 )
 from rlframe.algos.dapo import informative_groups, overlong_penalty
@@ -34,6 +37,7 @@ __all__ = [
     "AdvantageConfig",
     "FixedKLController",
     "POLICY_LOSSES",
+    "POLICY_LOSS_DEFAULTS",
     "PolicyLossConfig",
     "agg_loss",
     "build_kl_controller",
@@ -50,6 +54,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "overlong_penalty",
+    "policy_loss_config",
+    "policy_loss_defaults",
     "register_advantage_estimator",
     "register_from_config",
     "register_policy_loss",

@@ -309,13 +309,17 @@ def compute_remax_advantage(
 ):
     """ReMax (Li et al., 2023): the reward of a greedy response is the baseline.
 
-        A[i, t] = r_i - b_i     for every response token t (b = baseline_rewards, [B])
+        A[i, t] = sum_{s >= t} R[i, s] - b_i      (return-to-go, undiscounted; b = baseline_rewards, [B])
+
+    With an outcome reward only (on the last token) this is r_i - b_i on every token; with the KL in
+    the reward, token t also carries the KL penalty of itself and of the tokens after it (never the
+    ones before). b is the greedy response's score; `gamma` is not used.
     """
     if baseline_rewards is None:
         raise ValueError("the 'remax' estimator needs `baseline_rewards` (rewards of the greedy responses)")
     mask = response_mask.to(token_level_rewards.dtype)
-    scores = outcome_rewards(token_level_rewards, mask)
-    advantages = (scores - baseline_rewards.to(scores.dtype).reshape(-1))[:, None] * mask
+    returns = discounted_returns(token_level_rewards, mask, gamma=1.0)
+    advantages = (returns - baseline_rewards.to(returns.dtype).reshape(-1, 1)) * mask
     return advantages, advantages
 
 

@@ -95,25 +95,49 @@ def _as_denominator(count, like: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PolicyLossConfig:
-    """Clipping ranges of the policy losses (each loss reads its own).
+    """The clipping bounds of a policy loss; each loss reads them in its own way (see its docstring).
 
-    clip_ratio_low / clip_ratio_high: PPO ratio range [1 - low, 1 + high]; high > low is DAPO's
-        "clip-higher" (e.g. 0.2 / 0.28).
-    clip_ratio_c: dual-clip bound (Ye et al., 2020): for A < 0 the loss is capped at -A * c,
+    clip_ratio_low / clip_ratio_high: the ratio range [1 - low, 1 + high]. vanilla: the token ratio
+        (high > low is DAPO's "clip-higher", e.g. 0.2 / 0.28); gspo: the sequence ratio (the paper's
+        3e-4 / 4e-4); cispo: the bounds of the importance weight, low = None for no lower bound.
+    clip_ratio_c: vanilla's dual-clip bound (Ye et al., 2020): for A < 0 the loss is capped at -A * c,
         so a huge ratio on a negative-advantage token cannot dominate. Must be > 1; None disables.
-    gspo_clip_low / gspo_clip_high: GSPO's sequence-ratio range (the paper's 3e-4 / 4e-4).
-    cispo_clip_high: CISPO's upper bound on the importance weight: min(ratio, 1 + high). 0.28 as
-        DAPO's clip-higher; MiniMax-M1 tunes only this bound.
-    cispo_clip_low: optional lower bound max(ratio, 1 - low); None (the paper's choice) disables it.
+
+    The defaults are vanilla PPO's; `policy_loss_config(name)` gives another loss's published ones.
     """
 
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float | None = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float | None = 3.0
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
-    cispo_clip_high: float = 0.28
-    cispo_clip_low: float | None = None
+
+
+# Each built-in loss's published defaults, keyed by the `actor.*` option. A key a loss does not list is
+# one it ignores (configuring it is an error, see rlframe.config); None is a real value (no bound).
+POLICY_LOSS_DEFAULTS: dict[str, dict] = {
+    # PPO (Schulman et al., 2017): epsilon = 0.2; dual clip c = 3 (Ye et al., 2020); token-mean as verl.
+    "vanilla": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean"},
+    # GSPO (Zheng et al., 2025): the sequence-ratio range of its experiments, 3e-4 / 4e-4; per-sequence mean.
+    "gspo": {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
+    # CISPO (MiniMax-M1, 2025, eq. 4-5): no lower bound on the weight, only the upper one is tuned (the
+    # paper gives no value; 0.28 as DAPO's clip-higher); normalised by all tokens of the batch.
+    "cispo": {"clip_ratio_low": None, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"},
+}
+
+
+def policy_loss_defaults(name: str) -> dict:
+    """The published defaults of policy loss `name` ({actor key: value}), only for the keys it reads.
+
+    A loss registered without an entry (a user's) receives a whole PolicyLossConfig: vanilla's numbers.
+    """
+    return dict(POLICY_LOSS_DEFAULTS.get(name, POLICY_LOSS_DEFAULTS["vanilla"]))
+
+
+def policy_loss_config(name: str, **overrides) -> PolicyLossConfig:
+    """PolicyLossConfig with the published defaults of loss `name`, then `overrides` (e.g. for tests)."""
+    defaults = policy_loss_defaults(name)
+    defaults.pop("loss_agg_mode")
+    defaults.setdefault("clip_ratio_c", None)
+    return PolicyLossConfig(**{**defaults, **overrides})
 
 
 class PolicyLoss(Protocol):
@@ -156,6 +180,11 @@ def get_policy_loss(name: str) -> PolicyLoss:
         ) from None
 
 
+def _require_lower_bound(config: PolicyLossConfig, loss_name: str) -> None:
+    if config.clip_ratio_low is None:
+        raise ValueError(f"the {loss_name} policy loss needs clip_ratio_low (its ratio range is [1 - low, 1 + high])")
+
+
 def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> float:
     return masked_mean(condition.to(torch.float32), mask.to(torch.float32)).item()
 
@@ -165,9 +194,9 @@ def compute_vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mas
     """PPO clipped surrogate with asymmetric clip and dual-clip.
 
         ratio  = exp(log_prob - old_log_prob)                  (log-ratio clamped to [-20, 20])
-        l_clip = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
-        l      = min(l_clip, -A * c)   if A < 0 and c (clip_ratio_c) is set
-               = l_clip                otherwise
+        l_clip = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))    (clip_ratio_low/high)
+        l      = min(l_clip, -A * c)   if A < 0 and c (clip_ratio_c) is not None
+               = l_clip                otherwise (dual clip off)
         loss   = agg_loss(l, mask, **agg)
 
     metrics: pg_clipfrac (tokens where the clipped term is the larger), pg_clipfrac_lower (A < 0
@@ -176,6 +205,7 @@ def compute_vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mas
     c = config.clip_ratio_c
     if c is not None and c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (or None to disable dual-clip), got {c}")
+    _require_lower_bound(config, "vanilla")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -203,12 +233,17 @@ def compute_gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, 
         s_i,t   = sg(s_i) * exp(log_prob_t - sg(log_prob_t))            (= s_i in value; its
                   gradient is s_i * grad log_prob_t, so "seq-mean-token-mean" gives exactly
                   grad s_i = s_i * mean_t grad log_prob_t)
-        l_i,t   = max(-A * s_i,t, -A * clip(s_i,t, 1 - gspo_low, 1 + gspo_high))
-        loss    = agg_loss(l, mask, **agg)       (the paper uses "seq-mean-token-mean")
+        l_i,t   = max(-A * s_i,t, -A * clip(s_i,t, 1 - low, 1 + high))    (low, high: clip_ratio_low/high)
+        loss    = agg_loss(l, mask, **agg)
+
+    The paper's objective is the per-sequence mean: agg "seq-mean-token-mean" (its default here, see
+    POLICY_LOSS_DEFAULTS, with the paper's range 3e-4 / 4e-4); "token-mean" weighs sequences by length.
+    No dual clip (clip_ratio_c is not read).
 
     The sequence log-ratio is clamped to at most 10 before the exp.
     metrics: pg_clipfrac, ppo_kl, ratio_mean (mean sequence ratio over non-empty rows).
     """
+    _require_lower_bound(config, "gspo")
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
     lengths = mask.sum(dim=-1)
@@ -216,7 +251,7 @@ def compute_gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, 
     token_log_ratio = seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach()
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - config.gspo_clip_low, 1.0 + config.gspo_clip_high)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
     loss = agg_loss(loss_mat, mask, **(agg or {}))
     non_empty = (lengths > 0).to(log_prob.dtype)
@@ -234,17 +269,18 @@ def compute_cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask,
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by a clipped, stop-gradient importance ratio.
 
         ratio = exp(log_prob - old_log_prob)                  (log-ratio clamped to [-20, 20])
-        w     = sg(clip(ratio, max = 1 + cispo_high))          (and min = 1 - cispo_low if set)
+        w     = sg(clip(ratio, max = 1 + high))     (and min = 1 - low when clip_ratio_low is not None)
         l     = -w * A * log_prob
-        loss  = agg_loss(l, mask, **agg)
+        loss  = agg_loss(l, mask, **agg)               (the paper: "token-mean" over the batch)
 
-    Unlike PPO no token's gradient is dropped: the clip bounds the weight, not the update.
+    Unlike PPO no token's gradient is dropped: the clip bounds the weight, not the update. The paper
+    sets no lower bound (clip_ratio_low = None) and tunes only the upper one. No dual clip.
     metrics: pg_clipfrac (tokens whose weight was clipped), ppo_kl, ratio_mean.
     """
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
-    low = None if config.cispo_clip_low is None else 1.0 - config.cispo_clip_low
-    weight = torch.clamp(ratio, min=low, max=1.0 + config.cispo_clip_high).detach()
+    low = None if config.clip_ratio_low is None else 1.0 - config.clip_ratio_low
+    weight = torch.clamp(ratio, min=low, max=1.0 + config.clip_ratio_high).detach()
     loss_mat = -weight * advantages * log_prob
     loss = agg_loss(loss_mat, response_mask, **(agg or {}))
     metrics = {

@@ -1,12 +1,14 @@
 """The Ray cluster a run uses: join one that is there, or start a local one; check it is big enough.
 
-    connect(cfg, env_vars)      # RAY_ADDRESS / trainer.ray_address (e.g. auto) -> join; else local
-    nodes = check_cluster(cfg)  # prints the nodes; raises ClusterTooSmall before any worker starts
+    connect(address, num_cpus, env)     # an address (e.g. auto) -> join; else start a local cluster
+    nodes = list_nodes()
+    chosen = check_cluster(request, nodes)  # raises ClusterTooSmall before any worker starts
 
-A "device" is a GPU (plus one CPU for its process) on GPU clusters, or `trainer.cpus_per_worker`
-CPUs (default 1) on CPU clusters. A run asks for `trainer.nnodes` nodes with
-`trainer.devices_per_node` devices each; with `trainer.node_resources` node i must be the node
-that carries the custom resource `node_resources[i]` (see `ray start --resources`).
+A `ClusterRequest` asks for `nnodes` nodes with `devices_per_node` devices each, one device being
+`unit` resources (a GPU plus CPUs for its process, or CPUs alone on CPU clusters); with
+`node_resources`, node i must be the node that carries the custom resource `node_resources[i]`
+(see `ray start --resources`). This module knows Ray, not the RL config: messages name the
+caller's settings through `key_prefix`.
 """
 
 from __future__ import annotations
@@ -40,27 +42,56 @@ class NodeInfo:
                 f"{' head' if self.is_head else ''}{'  ' + custom if custom else ''}")
 
 
-def runtime_env(cfg, base_env: dict[str, str] | None = None) -> dict:
-    """The job-wide Ray runtime_env: our env vars + the user's (trainer.runtime_env), and a working dir."""
-    env_vars = {**(base_env or {}), **{k: str(v) for k, v in cfg.trainer.runtime_env.env_vars.items()}}
-    env: dict = {"env_vars": env_vars}
-    working_dir = cfg.trainer.runtime_env.working_dir
+@dataclass
+class ClusterRequest:
+    nnodes: int
+    devices_per_node: int
+    unit: dict[str, float]  # what one device (one bundle) takes, e.g. {"CPU": 1, "GPU": 1}
+    node_resources: list[str] = field(default_factory=list)
+    key_prefix: str = ""  # how the caller's settings are spelled in messages, e.g. "trainer."
+
+    @property
+    def gpus(self) -> bool:
+        return self.unit.get("GPU", 0) > 0
+
+
+def uses_gpus(device: str, nodes: list[NodeInfo]) -> bool:
+    """device: auto (GPUs when any node has one) | cpu | cuda."""
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return True
+    return any(n.resources.get("GPU", 0) > 0 for n in nodes)
+
+
+def device_unit(gpus: bool, cpus_per_device: float | None, devices_per_node: int, nodes: list[NodeInfo]) -> dict[str, float]:
+    """What one device takes. CPUs default to 1 per GPU, and on CPU clusters to an equal share of the
+    smallest node's CPUs (so one-node runs use every core)."""
+    if gpus:
+        return {"CPU": cpus_per_device or 1, "GPU": 1}
+    if cpus_per_device:
+        return {"CPU": cpus_per_device}
+    node_cpus = [n.resources.get("CPU", 0) for n in nodes if n.resources.get("CPU", 0) > 0]
+    return {"CPU": max(min(node_cpus, default=1) / max(devices_per_node, 1), 1)}
+
+
+def runtime_env(env_vars: dict[str, str], working_dir: str | None = None) -> dict:
+    """A job-wide Ray runtime_env: env vars for every worker, and a working dir uploaded to every node."""
+    env: dict = {"env_vars": {k: str(v) for k, v in env_vars.items()}}
     if working_dir:
         env["working_dir"] = str(Path(working_dir).resolve())
     return env
 
 
-def connect(cfg, base_env: dict[str, str] | None = None) -> None:
-    """Join the cluster at trainer.ray_address or $RAY_ADDRESS (``auto`` finds a local head), else start one."""
+def connect(address: str | None, num_cpus: int | None, env: dict) -> None:
+    """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one."""
     if ray.is_initialized():
         return
-    env = runtime_env(cfg, base_env)
-    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.trainer.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
-                 log_to_driver=True)
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env, log_to_driver=True)
 
 
 def list_nodes() -> list[NodeInfo]:
@@ -78,45 +109,24 @@ def list_nodes() -> list[NodeInfo]:
     return sorted(nodes, key=lambda n: (not n.is_head, n.ip, n.node_id))
 
 
-def uses_gpus(cfg, nodes: list[NodeInfo]) -> bool:
-    if cfg.trainer.device == "cpu":
-        return False
-    if cfg.trainer.device == "cuda":
-        return True
-    return any(n.resources.get("GPU", 0) > 0 for n in nodes)
+def print_nodes(nodes: list[NodeInfo]) -> None:
+    print(f"ray cluster: {len(nodes)} node(s)", flush=True)
+    for node in nodes:
+        print(f"  {node.describe()}", flush=True)
 
 
-def device_resources(cfg, gpus: bool) -> dict[str, float]:
-    """What one device (one bundle) takes."""
-    if gpus:
-        return {"CPU": cfg.trainer.cpus_per_worker or 1, "GPU": 1}
-    return {"CPU": cfg.trainer.cpus_per_worker or 1}
-
-
-def check_cluster(cfg, nodes: list[NodeInfo] | None = None, quiet: bool = False) -> list[NodeInfo]:
-    """Print the cluster and pick ``trainer.nnodes`` nodes that each hold ``devices_per_node`` devices.
+def check_cluster(request: ClusterRequest, nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Pick ``request.nnodes`` nodes that each hold ``devices_per_node`` devices.
 
     Returns the chosen nodes in node-entry order. Raises ClusterTooSmall naming the resource that is
     short and the node it is short on. Totals are compared (what other jobs hold shows up later as a
     placement-group wait, reported by ResourcePool).
     """
-    nodes = list_nodes() if nodes is None else nodes
-    if not quiet:
-        print(f"ray cluster: {len(nodes)} node(s)", flush=True)
-        for node in nodes:
-            print(f"  {node.describe()}", flush=True)
-    from rlframe.controller.placement import devices_needed, uses_placement
-
-    if not uses_placement(cfg):  # the classic one-node pool: the trainer sizes it to the cluster
-        return nodes
-    t = cfg.trainer
-
-    per_node = t.devices_per_node or devices_needed(cfg)
-    gpus = uses_gpus(cfg, nodes)
-    unit = device_resources(cfg, gpus)
+    t, p = request, request.key_prefix
+    per_node, unit = t.devices_per_node, t.unit
     want = {key: amount * per_node for key, amount in unit.items()}
-    request = (f"trainer.nnodes={t.nnodes} x trainer.devices_per_node={per_node} "
-               f"({per_node} x {_fmt(unit)} = {_fmt(want)} per node)")
+    asked = (f"{p}nnodes={t.nnodes} x {p}devices_per_node={per_node} "
+             f"({per_node} x {_fmt(unit)} = {_fmt(want)} per node)")
 
     def shortfall(node: NodeInfo) -> list[str]:
         return [f"{key}: node {node.short_id} ({node.ip}) has {node.resources.get(key, 0):g}, needs {amount:g}"
@@ -129,26 +139,26 @@ def check_cluster(cfg, nodes: list[NodeInfo] | None = None, quiet: bool = False)
             holders = [n for n in nodes if n.resources.get(resource, 0) > 0 and n not in chosen]
             if not holders:
                 problems.append(f"node {i}: no node carries the custom resource '{resource}' "
-                                f"(trainer.node_resources[{i}]). Fix: ray start ... --resources='{{\"{resource}\": 1}}' "
-                                "on that node, or drop trainer.node_resources")
+                                f"({p}node_resources[{i}]). Fix: ray start ... --resources='{{\"{resource}\": 1}}' "
+                                f"on that node, or drop {p}node_resources")
                 continue
             short = shortfall(holders[0])
             if short:
                 problems.append(f"node {i} ('{resource}'): short of " + "; ".join(short))
             chosen.append(holders[0])
         if problems:
-            raise ClusterTooSmall(f"the cluster cannot hold {request}:\n  " + "\n  ".join(problems) + _cluster_lines(nodes))
+            raise ClusterTooSmall(f"the cluster cannot hold {asked}:\n  " + "\n  ".join(problems) + _cluster_lines(nodes))
         return chosen
     fitting = [n for n in nodes if not shortfall(n)]
     if len(fitting) < t.nnodes:
         lines = [f"{len(fitting)} of {len(nodes)} node(s) fit, {t.nnodes} needed"]
         lines += [f"short: {s}" for n in nodes for s in shortfall(n)]
         if len(nodes) < t.nnodes:
-            lines.append(f"nodes: the cluster has {len(nodes)}, trainer.nnodes asks for {t.nnodes}")
+            lines.append(f"nodes: the cluster has {len(nodes)}, {p}nnodes asks for {t.nnodes}")
         raise ClusterTooSmall(
-            f"the cluster cannot hold {request}:\n  " + "\n  ".join(lines)
-            + "\n  Fix: add nodes (ray start --address=...), or lower trainer.nnodes / trainer.devices_per_node"
-            + (" / trainer.cpus_per_worker" if not gpus else "") + _cluster_lines(nodes))
+            f"the cluster cannot hold {asked}:\n  " + "\n  ".join(lines)
+            + f"\n  Fix: add nodes (ray start --address=...), or lower {p}nnodes / {p}devices_per_node"
+            + (f" / {p}cpus_per_worker" if not t.gpus else "") + _cluster_lines(nodes))
     return fitting[: t.nnodes]
 
 

@@ -229,43 +229,33 @@ def should_save(step: int, total_steps: int, save_every: int) -> bool:
     return save_every > 0 and (step % save_every == 0 or step == total_steps)
 
 
-def save_trainer_checkpoint(trainer, step: int) -> Checkpoint:
-    """Workers write the actor state, the driver its own; then the folder is made visible atomically."""
+def save_checkpoint(workers, run_dir: Path, step: int, driver_state: dict, config_yaml: str, keep: int,
+                    timeout_s: float) -> Checkpoint:
+    """The workers write their state (actor, critic), the driver its own; then the folder appears atomically.
+
+    `workers`: what `rlframe.trainer.launch.start_workers` returned.
+    """
     import time
 
-    from omegaconf import OmegaConf
-
     start = time.perf_counter()
-    tmp = begin_save(trainer.run_dir, step)
-    trainer.actor_rollout.save_checkpoint(str(tmp / "actor"), _timeout=trainer.cfg.trainer.timeouts.update)
-    if getattr(trainer, "critic", None) is not None:
-        trainer.critic.save_checkpoint(str(tmp / "critic"), _timeout=trainer.cfg.trainer.timeouts.update)
-    driver_state = {"step": step, "sampler": trainer.sampler.state_dict(), "rng": capture_rng_state(),
-                    "val_before": trainer.first_val, "last_metrics": trainer.last_metrics,
-                    "kl_coef": getattr(getattr(trainer, "kl_ctrl", None), "value", None)}
-    ckpt = finish_save(tmp, step, driver_state, OmegaConf.to_yaml(OmegaConf.structured(trainer.cfg)),
-                       keep=trainer.cfg.trainer.max_checkpoints_to_keep)
+    tmp = begin_save(run_dir, step)
+    workers.actor_rollout.save_checkpoint(str(tmp / "actor"), _timeout=timeout_s)
+    if workers.critic is not None:
+        workers.critic.save_checkpoint(str(tmp / "critic"), _timeout=timeout_s)
+    ckpt = finish_save(tmp, step, {**driver_state, "step": step, "rng": capture_rng_state()}, config_yaml, keep=keep)
     print(f"checkpoint {ckpt.path} saved in {time.perf_counter() - start:.2f}s", flush=True)
     return ckpt
 
 
-def restore_trainer(trainer, ckpt: Checkpoint | None) -> int:
-    """Load `ckpt` into the workers and the driver; returns the step to continue after (0: fresh)."""
+def restore_checkpoint(workers, ckpt: Checkpoint, timeout_s: float) -> dict:
+    """Load `ckpt` into the workers and restore the driver's RNG; returns the saved driver state."""
     import time
 
-    if ckpt is None:
-        return 0
     start = time.perf_counter()
-    trainer.actor_rollout.load_checkpoint(str(ckpt.path / "actor"), _timeout=trainer.cfg.trainer.timeouts.init)
-    if getattr(trainer, "critic", None) is not None:
-        trainer.critic.load_checkpoint(str(ckpt.path / "critic"), _timeout=trainer.cfg.trainer.timeouts.init)
+    workers.actor_rollout.load_checkpoint(str(ckpt.path / "actor"), _timeout=timeout_s)
+    if workers.critic is not None:
+        workers.critic.load_checkpoint(str(ckpt.path / "critic"), _timeout=timeout_s)
     state = read_driver_state(ckpt.path)
-    if state.get("kl_coef") is not None and getattr(trainer, "kl_ctrl", None) is not None:
-        trainer.kl_ctrl.value = float(state["kl_coef"])  # the adaptive controller's beta
-    trainer.sampler.load_state_dict(state["sampler"])
-    trainer.batches = trainer.sampler.forever()
     restore_rng_state(state["rng"])
-    trainer.first_val = state["val_before"]
-    trainer.last_metrics = state["last_metrics"]
     print(f"resumed from {ckpt.path} (step {ckpt.step}) in {time.perf_counter() - start:.2f}s", flush=True)
-    return int(state["step"])
+    return state

@@ -1,7 +1,8 @@
 """What the driver does when a worker fails: name the phase, dump stuck workers' stacks, restart.
 
-- `annotate(error, phase, step)`: a WorkerError / WorkerDied / WorkerTimeout gains the step and the
-  phase of the loop it happened in (the controller already names role, rank, node, pid, method).
+- `annotate(error, phase, step, workers)`: a WorkerError / WorkerDied / WorkerTimeout gains the step
+  and the phase of the loop it happened in (the controller already names role, rank, node, pid,
+  method); `workers` is what `launch.start_workers` returned, asked for the group of the failing role.
 - `dump_stacks(group, role, ranks)`: the Python stacks of workers past a deadline, by
   `py-spy dump --pid` when it can attach, else by SIGUSR1 (the workers install a faulthandler for
   it, see workers/faults.py). Only workers on this node can be reached this way.
@@ -28,15 +29,15 @@ logger = logging.getLogger(__name__)
 RESTARTABLE = (WorkerDied, WorkerTimeout)
 
 
-def annotate(error: WorkerError, phase: str, step: int | None, group=None) -> WorkerError:
+def annotate(error: WorkerError, phase: str, step: int | None, workers=None) -> WorkerError:
     """Prefix the error with where in the loop it happened; a timeout also gets the stuck stacks."""
     where = f"step {step}, phase '{phase}'" if step else f"phase '{phase}'"
     if getattr(error, "phase", None) is None:
         error.phase = phase
         error.step = step
         error.summary = f"[{where}] {error.summary}"
-        if isinstance(error, WorkerTimeout) and group is not None and error.role:
-            stacks = dump_stacks(group, error.role, error.ranks)
+        if isinstance(error, WorkerTimeout) and workers is not None and error.role:
+            stacks = dump_stacks(workers.group_of(error.role), error.role, error.ranks)
             if stacks:
                 error.summary += "\n--- stacks of the ranks still running ---\n" + stacks
     return error

@@ -29,20 +29,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import ray
 import torch
+from omegaconf import OmegaConf
 
 from rlframe.algos import AdvantageConfig, get_advantage_estimator
 from rlframe.algos.batching import balanced_equal_size_partition
 from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
-from rlframe.controller import ResourcePool, WorkerError, WorkerGroup
-from rlframe.controller import placement
+from rlframe.controller import WorkerError
 from rlframe.data.dataset import RLDataset, collate_prompts
 from rlframe.data.sampler import StatefulSampler
 from rlframe.protocol import DataProto
-from rlframe.reward.manager import RewardManager, RewardSpec
+from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
 from rlframe.trainer import algorithm_steps, checkpoint, fault
+from rlframe.trainer.launch import Workers, start_workers
 from rlframe.trainer.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,32 @@ def compute_advantage(batch: DataProto, cfg: RLConfig) -> DataProto:
     batch.batch["advantages"] = advantages
     batch.batch["returns"] = returns
     return batch
+
+
+def reported_accuracy(result: RewardResult) -> np.ndarray | None:
+    """Per-response accuracy: the `acc` the reward functions report, or None when none reports one.
+
+    One function: its `acc`. Several (keys `<label>/acc`): the mean of the ones that scored the
+    response (NaN where none did, left out of the mean over responses); logged once.
+    """
+    keys = ["acc"] if "acc" in result.extras else sorted(k for k in result.extras if k.endswith("/acc"))
+    if not keys:
+        return None
+    if len(keys) > 1:
+        log_once(f"accuracy: per response, the mean of {', '.join(keys)} over the functions that scored it")
+    values = np.stack([result.extras[key].astype(float) for key in keys])
+    reported = ~np.isnan(values)
+    counts = reported.sum(axis=0)
+    return np.where(counts > 0, np.where(reported, values, 0.0).sum(axis=0) / np.maximum(counts, 1), np.nan)
+
+
+_LOGGED: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
 
 
 def place_scores_on_last_token(scores: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
@@ -106,29 +132,24 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ workers
     def _start_workers(self) -> None:
-        from rlframe.workers.fsdp_workers import ActorRolloutWorker
-
-        cfg = self.cfg
-        if placement.uses_placement(cfg):  # multi-node / disaggregated: rlframe/controller/placement.py
-            return placement.start_workers(self)
-        world = cfg.actor.world_size
-        total_cpus = ray.cluster_resources().get("CPU", 1)
-        cpus = cfg.trainer.cpus_per_worker or max(total_cpus / world, 1) if cfg.trainer.device != "cuda" else 1
-        gpus = 1 if torch.cuda.is_available() and cfg.trainer.device != "cpu" else 0
-        self.pool = ResourcePool([world], cpus_per_bundle=cpus, gpus_per_bundle=gpus, name="colocated")
-        worker_cfg = to_container(cfg)
-        roles = placement.trainer_roles(cfg, worker_cfg, self.model_path, ActorRolloutWorker)
         with self.timed("init_workers"):
-            self.workers = WorkerGroup(self.pool, roles, backend="nccl" if gpus else "gloo", name="rlframe",
-                                       default_timeout_s=cfg.trainer.timeouts.init)
-        self.actor_rollout = self.workers.role("actor_rollout")
-        self.ref = self.workers.role("ref") if "ref" in roles else None
-        self.critic = self.workers.role("critic") if "critic" in roles else None
-        self.reward_model = self.workers.role("reward_model") if "reward_model" in roles else None
-        info = self.actor_rollout.describe()
-        print(f"workers: {world} x ActorRollout{'+Ref' if self.ref else ''}{'+Critic' if self.critic else ''} "
-              f"(engine={info[0]['engine']}, device={info[0]['device']}, dtype={info[0]['dtype']}, "
-              f"sharded={info[0]['sharded']}) in {self.phase_times['init_workers']:.1f}s", flush=True)
+            self.workers: Workers = start_workers(self.cfg, self.model_path)
+
+    @property
+    def actor_rollout(self):
+        return self.workers.actor_rollout
+
+    @property
+    def ref(self):
+        return self.workers.ref
+
+    @property
+    def critic(self):
+        return self.workers.critic
+
+    @property
+    def reward_model(self):
+        return self.workers.reward_model
 
     @contextmanager
     def timed(self, phase: str):
@@ -145,16 +166,35 @@ class RLTrainer:
         restarts = 0
         while True:
             try:
-                return self.train(start_step=checkpoint.restore_trainer(self, self.resume_from))
+                return self.train(start_step=self.restore(self.resume_from))
             except fault.RESTARTABLE as error:
                 if restarts >= self.cfg.trainer.max_restarts:
                     raise
                 restarts += 1
                 print(f"restart {restarts}/{self.cfg.trainer.max_restarts} after: {error.summary}", flush=True)
                 self.workers.shutdown()
-                self.pool.remove()
                 self._start_workers()
                 self.resume_from = checkpoint.find_latest_complete(self.run_dir)
+
+    def save_checkpoint(self, step: int) -> None:
+        driver_state = {"sampler": self.sampler.state_dict(), "val_before": self.first_val,
+                        "last_metrics": self.last_metrics, "kl_coef": getattr(self.kl_ctrl, "value", None)}
+        t = self.cfg.trainer
+        checkpoint.save_checkpoint(self.workers, self.run_dir, step, driver_state,
+                                   OmegaConf.to_yaml(OmegaConf.structured(self.cfg)), keep=t.max_checkpoints_to_keep,
+                                   timeout_s=t.timeouts.update)
+
+    def restore(self, ckpt: checkpoint.Checkpoint | None) -> int:
+        """Load `ckpt` into the workers and the driver; returns the step to continue after (0: fresh)."""
+        if ckpt is None:
+            return 0
+        state = checkpoint.restore_checkpoint(self.workers, ckpt, timeout_s=self.cfg.trainer.timeouts.init)
+        if state.get("kl_coef") is not None and self.kl_ctrl is not None:
+            self.kl_ctrl.value = float(state["kl_coef"])  # the adaptive controller's beta
+        self.sampler.load_state_dict(state["sampler"])
+        self.batches = self.sampler.forever()
+        self.first_val, self.last_metrics = state["val_before"], state["last_metrics"]
+        return int(state["step"])
 
     def train(self, start_step: int) -> dict:
         cfg = self.cfg
@@ -204,7 +244,7 @@ class RLTrainer:
             self.tracker.log(step, metrics)
             self.last_metrics = metrics
             if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
-                checkpoint.save_trainer_checkpoint(self, step)
+                self.save_checkpoint(step)
         summary = {"run_dir": str(self.run_dir), "val_before": self.first_val, "val_after": {
             k: v for k, v in self.last_metrics.items() if k.startswith("val/")}}
         if cfg.trainer.export_hf:
@@ -268,6 +308,7 @@ class RLTrainer:
             greedy = batch.select(batch_keys=[]).union(
                 self.actor_rollout.generate_sequences(greedy_prompts, _timeout=self.cfg.trainer.timeouts.rollout))
         greedy, _ = self.score(greedy)
+        algorithm_steps.shape_overlong(greedy, self.cfg)  # the same reward as the samples it is compared with
         return greedy.batch["token_level_scores"].sum(-1)
 
     def next_prompts(self) -> DataProto:
@@ -285,8 +326,8 @@ class RLTrainer:
         return self.tokenizer.batch_decode([r[:n].tolist() for r, n in zip(responses, lengths)],
                                            skip_special_tokens=True)
 
-    def score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-        texts = self.decode_responses(batch)
+    def rule_and_model_scores(self, batch: DataProto, texts: list[str]) -> tuple[RewardResult, np.ndarray, dict]:
+        """(the reward functions' result, score = rule-based + reward_model.weight * RM score [B], metrics)."""
         nt = batch.non_tensor_batch
         result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]),
                                     response_lengths=batch.batch["response_mask"].sum(-1).long().tolist())
@@ -297,15 +338,25 @@ class RLTrainer:
             rm_scores = self.reward_model.compute_rm_score(rm_input).batch["rm_scores"].double().numpy()
             scores = scores + self.cfg.reward_model.weight * rm_scores
             metrics["reward/rm_score_mean"] = float(rm_scores.mean())
+        return result, scores, metrics
+
+    def score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """token_level_scores: the score (rule-based + RM) on each response's last token."""
+        result, scores, metrics = self.rule_and_model_scores(batch, self.decode_responses(batch))
         batch.batch["token_level_scores"] = place_scores_on_last_token(scores, batch.batch["response_mask"])
         metrics["critic/score/mean"] = float(np.mean(scores))
-        if "acc" in result.extras:
-            metrics["critic/accuracy"] = float(np.nanmean(result.extras["acc"].astype(float)))
+        accuracy = reported_accuracy(result)
+        if accuracy is not None:
+            metrics["critic/accuracy"] = float(np.nanmean(accuracy))
         return batch, metrics
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """Greedy generation on the held-out split; mean reward and share of exactly correct answers."""
+        """Greedy generation on the held-out split.
+
+        val/reward_mean: the rule-based reward functions' score; val/score_mean: the score training
+        uses (+ reward_model.weight * RM score + overlong shaping); val/accuracy: see reported_accuracy.
+        """
         start = time.perf_counter()
         n = min(len(self.val_set), self.cfg.data.val_max_samples)
         batch = collate_prompts([self.val_set[i] for i in range(n)], self.pad_token_id)
@@ -313,13 +364,23 @@ class RLTrainer:
         prompts.meta_info["validate"] = True
         batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=self.cfg.trainer.timeouts.rollout))
         texts = self.decode_responses(batch)
+        result, scores, reward_metrics = self.rule_and_model_scores(batch, texts)
+        penalty = algorithm_steps.overlong_penalties(batch.batch["response_mask"], self.cfg)
+        accuracy = reported_accuracy(result)
+        if accuracy is None:
+            log_once("no reward function returns an 'acc' key: val/accuracy is the share of responses whose "
+                     "rule-based reward is >= 1")
+            accuracy = (result.scores >= 1.0).astype(float)
         nt = batch.non_tensor_batch
-        result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]))
-        accuracy = (result.extras["acc"].astype(float) if "acc" in result.extras else (result.scores >= 1.0))
         self.write_samples("validation", texts[:8], list(nt["ground_truth"][:8]), result.scores[:8])
-        return {"val/reward_mean": float(np.mean(result.scores)), "val/accuracy": float(np.nanmean(accuracy)),
-                "val/response_length": float(batch.batch["response_mask"].sum(-1).mean()),
-                "timing/validation": time.perf_counter() - start}
+        metrics = {"val/reward_mean": float(np.mean(result.scores)),
+                   "val/score_mean": float(np.mean(scores + (0.0 if penalty is None else penalty.double().numpy()))),
+                   "val/accuracy": float(np.nanmean(accuracy)),
+                   "val/response_length": float(batch.batch["response_mask"].sum(-1).mean()),
+                   "timing/validation": time.perf_counter() - start}
+        if "reward/rm_score_mean" in reward_metrics:
+            metrics["val/rm_score_mean"] = reward_metrics["reward/rm_score_mean"]
+        return metrics
 
     def write_samples(self, kind: str, texts: list[str], truths: list, scores) -> None:
         with open(self.run_dir / f"{kind}_samples.jsonl", "a") as f:

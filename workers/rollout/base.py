@@ -1,24 +1,31 @@
-"""What every rollout engine returns, and the helpers that build it from token lists."""
+"""What every rollout engine offers and returns, and the helpers that build its output from token lists.
+
+A rollout engine has two methods: `generate(prompts, sampling) -> DataProto` (the layout of
+`build_rollout_batch`) and `load_weights(iterable of (HF name, tensor)) -> tensors loaded`;
+optionally `sleep()` (free device memory while the trainer trains). `workers/rollout/factory.py`
+builds the configured one.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from rlframe.protocol import DataProto
 
 
-@dataclass
-class SamplingSettings:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+def eos_and_pad_ids(model_path: str, trust_remote_code: bool = False) -> tuple[list[int], int]:
+    """The EOS ids (tokenizer's and generation config's) and the pad id (EOS when there is none)."""
+    from transformers import AutoTokenizer, GenerationConfig
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    eos = {tokenizer.eos_token_id}
+    try:
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    except OSError:
+        pass
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return sorted(e for e in eos if e is not None), pad
 
 
 def unpadded_prompts(prompts: DataProto) -> list[list[int]]:
@@ -56,3 +63,27 @@ def build_rollout_batch(prompts: DataProto, responses: list[list[int]], log_prob
         "response_mask": response_mask,
         "rollout_log_probs": rollout_log_probs,
     })
+
+
+def generate_sequences(engine, settings, prompts: DataProto, rank: int) -> DataProto:
+    """Generate for `prompts` with the sampling its meta_info asks for (training, `validate`, `greedy`).
+
+    Training samples are seeded per step and data-parallel rank, so a step draws the same samples
+    whatever the placement (colocated or disaggregated engines). `settings`: RolloutSettings.
+    """
+    import time
+
+    meta = prompts.meta_info
+    if meta.get("greedy", False):  # one greedy sample per prompt (ReMax's baseline)
+        sampling = settings.greedy()
+    elif meta.get("validate", False):
+        sampling = settings.validation
+    else:
+        sampling = settings.train
+        if "step" in meta:
+            torch.manual_seed(settings.seed * 1_000_003 + int(meta["step"]) * 1_009 + rank)
+    start = time.perf_counter()
+    out = engine.generate(prompts, sampling)
+    out.meta_info["timing/generate_rank0"] = time.perf_counter() - start
+    out.meta_info["perf/generated_tokens"] = float(out.batch["response_mask"].sum())
+    return out

@@ -16,7 +16,8 @@ import torch
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import SamplingSettings, build_rollout_batch, unpadded_prompts
+from rlframe.workers.rollout.base import build_rollout_batch, unpadded_prompts
+from rlframe.workers.settings import SamplingSettings
 
 
 def _reload_weights(worker, weights):  # runs inside vLLM's worker (same process)

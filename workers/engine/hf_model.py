@@ -1,4 +1,4 @@
-"""Building, sharding and reading HF causal LMs inside a worker process.
+"""Building, sharding and reading HF causal LMs inside a worker process (the FSDP engine's model code).
 
 `build_causal_lm` loads the model in fp32 (the master copy); `shard_model` applies FSDP2
 `fully_shard` per decoder layer and at the root (bf16 compute with fp32 reduction on GPU, optional

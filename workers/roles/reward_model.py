@@ -3,11 +3,11 @@
 The reward model (RM) is any ``AutoModelForSequenceClassification`` checkpoint with ``num_labels=1``
 (e.g. a Skywork / InternLM / ArmoRM-style scalar RM). It runs in its own worker group::
 
-    group = WorkerGroup(pool, {"rm": (RewardModelWorker, {"cfg": cfg, "model_path": path})})
+    group = WorkerGroup(pool, {"rm": (RewardModelWorker, {"settings": RewardModelSettings(model_path=path)})})
     scores = group.rm.compute_rm_score(batch)          # DataProto with rm_scores [B]
     batch = batch.union(scores)
 
-or as a plain object in one process (``RewardModelWorker(cfg, path).compute_rm_score(batch)``).
+or as a plain object in one process (``RewardModelWorker(settings).compute_rm_score(batch)``).
 
 Input contract (non-tensor fields of the ``DataProto``, one per row):
 
@@ -23,9 +23,8 @@ keep their END (left truncation: the response is what is being judged).
 Output: a ``DataProto`` with one tensor, ``rm_scores`` (float32 [B]), the RM's scalar per row.
 Combine it with rule-based rewards on the driver (e.g. ``reward = rule + rm_weight * rm_scores``).
 
-Configuration, read from ``cfg["reward_model"]`` (all optional): ``max_length`` (2048),
-``micro_batch_size`` (8), ``dtype`` ("auto"), ``trust_remote_code`` (False); the device comes
-from ``cfg["trainer"]["device"]`` ("auto").
+Settings (`RewardModelSettings`, from the config's ``reward_model`` section): ``max_length``,
+``micro_batch_size``, ``dtype``, ``trust_remote_code``; the device from ``trainer.device``.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import torch
 from rlframe.controller import Dispatch, register
 from rlframe.device import detect_profile
 from rlframe.protocol import DataProto
+from rlframe.workers.settings import RewardModelSettings
 
 
 def _as_messages(prompt) -> list[dict]:
@@ -49,16 +49,13 @@ def _as_messages(prompt) -> list[dict]:
 class RewardModelWorker:
     """Scores (prompt, response) texts with a scalar sequence-classification reward model."""
 
-    def __init__(self, cfg: dict, model_path: str):
+    def __init__(self, settings: RewardModelSettings):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        rm_cfg = dict(cfg.get("reward_model") or {})
-        trainer_cfg = cfg.get("trainer") or {}
-        self.max_length = int(rm_cfg.get("max_length", 2048))
-        self.micro_batch_size = int(rm_cfg.get("micro_batch_size", 8))
-        trust = bool(rm_cfg.get("trust_remote_code", False))
-        self.profile = detect_profile(trainer_cfg.get("device", "auto"), rm_cfg.get("dtype", "auto"),
-                                      "sdpa", rollout_engine="hf")
+        model_path, trust = settings.model_path, settings.trust_remote_code
+        self.max_length = settings.max_length
+        self.micro_batch_size = settings.micro_batch_size
+        self.profile = detect_profile(settings.device.device, settings.dtype, "sdpa", rollout_engine="hf")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust)
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token is None:  # many RMs ship without one: EOS pads

@@ -1,0 +1,113 @@
+"""The typed settings each role is built with, derived once from the run's config.
+
+Small pure functions: config in, a frozen dataclass of `rlframe/workers/settings.py` out. This is
+the only place that knows which config key feeds which worker setting; the workers never see
+the config itself.
+"""
+
+from __future__ import annotations
+
+from rlframe.config import OptimConfig, RLConfig
+from rlframe.workers.settings import (ActorSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
+                                     OptimSettings, PolicyLossSettings, RefSettings, RewardModelSettings,
+                                     RolloutSettings, SamplingSettings, UpdateLoop)
+
+
+def device_request(cfg: RLConfig) -> DeviceRequest:
+    return DeviceRequest(device=cfg.trainer.device, dtype=cfg.model.dtype,
+                         attn_implementation=cfg.model.attn_implementation, rollout_engine=cfg.rollout.engine)
+
+
+def optim_settings(optim: OptimConfig, cfg: RLConfig, head_lr: float | None = None) -> OptimSettings:
+    return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+                         warmup_steps=optim.warmup_steps, grad_clip=optim.grad_clip, head_lr=head_lr,
+                         max_consecutive_skips=cfg.trainer.max_consecutive_skipped_updates)
+
+
+def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> EngineSettings:
+    """The actor's engine (train=True) or the reference policy's (frozen, no offload)."""
+    actor = cfg.actor
+    return EngineSettings(
+        model_path=model_path, strategy=actor.strategy, head="causal_lm", device=device_request(cfg),
+        gradient_checkpointing=cfg.model.gradient_checkpointing and train,
+        trust_remote_code=cfg.model.trust_remote_code, use_remove_padding=str(actor.use_remove_padding),
+        sequence_parallel_size=actor.ulysses_sequence_parallel_size,
+        offload_params=actor.offload_params and train, offload_optimizer=actor.offload_optimizer and train,
+        optim=optim_settings(actor.optim, cfg) if train else None)
+
+
+def actor_update_loop(cfg: RLConfig) -> UpdateLoop:
+    """Per rank: a mini-batch is ppo_mini_batch_size prompts x rollout.n samples over world_size ranks."""
+    actor = cfg.actor
+    return UpdateLoop(mini_batch_size=actor.ppo_mini_batch_size * cfg.rollout.n // actor.world_size,
+                      micro_batch_size=actor.ppo_micro_batch_size_per_device,
+                      max_tokens_per_micro_batch=actor.ppo_max_token_len_per_device, epochs=actor.ppo_epochs,
+                      shuffle=actor.shuffle, loss_agg_mode=actor.loss_agg_mode)
+
+
+def policy_loss_settings(cfg: RLConfig) -> PolicyLossSettings:
+    actor, algo = cfg.actor, cfg.algorithm
+    return PolicyLossSettings(
+        policy_loss=actor.policy_loss, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c, entropy_coeff=actor.entropy_coeff, use_kl_loss=algo.use_kl_loss,
+        kl_loss_coef=algo.kl_loss_coef, kl_loss_type=algo.kl_loss_type,
+        custom_loss_path=algo.custom_policy_loss.path, custom_loss_name=algo.custom_policy_loss.name)
+
+
+def log_prob_settings(cfg: RLConfig) -> ForwardSettings:
+    """Old and reference log-probs: at the sampling temperature, as the rollout drew the tokens."""
+    return ForwardSettings(micro_batch_size=cfg.actor.log_prob_micro_batch_size_per_device,
+                           max_tokens_per_micro_batch=cfg.actor.log_prob_max_token_len_per_device,
+                           temperature=cfg.rollout.temperature)
+
+
+def sampling_settings(cfg: RLConfig) -> tuple[SamplingSettings, SamplingSettings]:
+    """(training, validation) sampling; validation uses neither top-p nor top-k."""
+    rollout, max_new = cfg.rollout, cfg.data.max_response_length
+    train = SamplingSettings(max_new_tokens=max_new, temperature=rollout.temperature, top_p=rollout.top_p,
+                             top_k=rollout.top_k)
+    return train, SamplingSettings(max_new_tokens=max_new, temperature=rollout.val_temperature)
+
+
+def rollout_settings(cfg: RLConfig, model_path: str) -> RolloutSettings:
+    rollout = cfg.rollout
+    train, validation = sampling_settings(cfg)
+    return RolloutSettings(
+        model_path=model_path, device=device_request(cfg), trust_remote_code=cfg.model.trust_remote_code,
+        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length, train=train, validation=validation,
+        seed=cfg.trainer.seed, gpu_memory_utilization=rollout.gpu_memory_utilization,
+        cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, enable_prefix_caching=rollout.enable_prefix_caching,
+        enable_chunked_prefill=rollout.enable_chunked_prefill, max_num_batched_tokens=rollout.max_num_batched_tokens,
+        enable_sleep_mode=rollout.enable_sleep_mode, enforce_eager=rollout.enforce_eager)
+
+
+def actor_settings(cfg: RLConfig, model_path: str, *, with_rollout: bool = True) -> ActorSettings:
+    """with_rollout=False: disaggregated placement, the engines live in the rollout pool."""
+    return ActorSettings(engine=policy_engine_settings(cfg, model_path, train=True), loop=actor_update_loop(cfg),
+                         loss=policy_loss_settings(cfg), log_prob=log_prob_settings(cfg),
+                         rollout=rollout_settings(cfg, model_path) if with_rollout else None, seed=cfg.trainer.seed,
+                         weight_sync_timeout_s=cfg.trainer.timeouts.weight_sync)
+
+
+def ref_settings(cfg: RLConfig, model_path: str) -> RefSettings:
+    return RefSettings(engine=policy_engine_settings(cfg, model_path, train=False), log_prob=log_prob_settings(cfg))
+
+
+def critic_settings(cfg: RLConfig, model_path: str) -> CriticSettings:
+    """model_path: critic.model_path when set, else the actor's model (resolved by the driver)."""
+    critic, world = cfg.critic, cfg.actor.world_size
+    engine = EngineSettings(model_path=model_path, strategy=cfg.actor.strategy, head="value",
+                            device=device_request(cfg), gradient_checkpointing=cfg.model.gradient_checkpointing,
+                            trust_remote_code=cfg.model.trust_remote_code,
+                            optim=optim_settings(critic.optim, cfg, head_lr=critic.head_lr))
+    mini = critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
+    loop = UpdateLoop(mini_batch_size=mini * cfg.rollout.n // world, micro_batch_size=critic.ppo_micro_batch_size_per_device,
+                      epochs=critic.ppo_epochs, shuffle=cfg.actor.shuffle, loss_agg_mode=critic.loss_agg_mode)
+    return CriticSettings(engine=engine, loop=loop, cliprange_value=critic.cliprange_value, seed=cfg.trainer.seed,
+                          forward=ForwardSettings(micro_batch_size=critic.forward_micro_batch_size_per_device))
+
+
+def reward_model_settings(cfg: RLConfig, model_path: str) -> RewardModelSettings:
+    rm = cfg.reward_model
+    return RewardModelSettings(model_path=model_path, device=device_request(cfg), max_length=rm.max_length,
+                               micro_batch_size=rm.micro_batch_size, dtype=rm.dtype, trust_remote_code=rm.trust_remote_code)

@@ -1,0 +1,89 @@
+"""Saving and loading a trainer engine's state inside its worker processes (all ranks together).
+
+Layout written under `<checkpoint>/actor/` or `critic/` (see rlframe/trainer/checkpoint.py for the folder):
+
+- `model.safetensors`: the full, unsharded weights with their HF names (rank 0 writes), plus the
+  model's `config.json` and the tokenizer, so the folder loads in `transformers` as it is and the
+  checkpoint resumes or exports at any data-parallel world size;
+- `optimizer.pt`: the full optimizer state keyed by parameter name (tensors, numbers, lists only;
+  loaded with `torch.load(weights_only=True)`);
+- `rank_<r>.pt`: what each rank owns: LR scheduler, optimiser step / skip counters, and the RNG
+  states (python, numpy, torch) that the next step's sampling and shuffling draw from.
+
+Full (gathered) state keeps the format independent of the world size; for models too large to
+gather on one rank, a sharded format would be the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from rlframe.rng import capture_rng_state, restore_rng_state
+from rlframe.workers.distributed import barrier, rank as _rank, world_size
+from rlframe.workers.hf_folder import WEIGHTS_FILE as MODEL_FILE, write_hf_folder
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def _distributed(model) -> bool:
+    return dist.is_initialized() and any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def save_engine_state(engine, out_dir: str | Path, tokenizer_source: str | None = None) -> None:
+    """Write `engine` (a TrainerEngine with an optimizer) into `out_dir` (every rank calls)."""
+    out = Path(out_dir)
+    rank = _rank()
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(engine.model, options=full)
+    optim_state = get_optimizer_state_dict(engine.model, engine.optimizer, options=full)
+    if rank == 0:
+        write_hf_folder(out, model_state, engine.model.config, tokenizer_source)
+        torch.save(optim_state, out / OPTIMIZER_FILE)
+    barrier()  # out/ exists for every rank below
+    own = {"scheduler": engine.scheduler.state_dict(), "optimizer_steps": engine.optimizer_steps,
+           "consecutive_skips": engine.consecutive_skips, "rng": capture_rng_state(), "world_size": world_size()}
+    torch.save(own, out / f"rank_{rank}.pt")
+    barrier()
+
+
+def load_engine_state(engine, in_dir: str | Path) -> dict:
+    """Restore what `save_engine_state` wrote (every rank calls); returns a short description."""
+    from safetensors.torch import load_file
+
+    src = Path(in_dir)
+    rank = _rank()
+    distributed = _distributed(engine.model)
+    # Every rank reads the full files (a checkpoint sits on a shared or local disk); the set_*
+    # calls keep only each rank's shard.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    model_state = load_file(str(src / MODEL_FILE))
+    if not distributed:
+        model_state = {k: v.to(next(engine.model.parameters()).device) for k, v in model_state.items()}
+    set_model_state_dict(engine.model, model_state, options=options)
+    optim_state = torch.load(src / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
+    set_optimizer_state_dict(engine.model, engine.optimizer, optim_state, options=options)
+    own_file = src / f"rank_{rank}.pt"
+    if not own_file.exists():  # resumed at a larger world size: this rank has no saved RNG
+        logger.warning("%s is missing (the checkpoint was saved with fewer ranks): rank %d keeps its seeded "
+                       "RNG and uses rank 0's scheduler state; sampling will not match the saved run exactly",
+                       own_file, rank)
+        own_file, keep_rng = src / "rank_0.pt", False
+    else:
+        keep_rng = True
+    own = torch.load(own_file, weights_only=True)
+    engine.scheduler.load_state_dict(own["scheduler"])
+    engine.optimizer_steps = int(own["optimizer_steps"])
+    engine.consecutive_skips = int(own["consecutive_skips"])
+    if keep_rng:
+        restore_rng_state(own["rng"])
+    barrier()
+    return {"rank": rank, "optimizer_steps": engine.optimizer_steps, "saved_world_size": own["world_size"]}

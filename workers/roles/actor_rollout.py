@@ -1,0 +1,178 @@
+"""The actor role: the policy under training and (colocated, the hybrid engine) its rollout engine.
+
+- `ActorRolloutWorker`: trainer engine + rollout engine in one process, sharing its devices. After
+  each update the trainer's weights stream into the engine (no disk).
+- `ActorWorker`: the actor without an engine (disaggregated placement); its rank 0 hosts the
+  broadcast group (workers/weight_broadcast.py) and sends the full weights to the rollout pool
+  (`workers/roles/rollout.py`) after each update.
+
+Each public method is declared with its dispatch mode; the driver calls the group as one object.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from rlframe.algos.plugins import register_from_config
+from rlframe.controller import Dispatch, register
+from rlframe.controller.worker_host import find_free_port
+from rlframe.protocol import DataProto
+from rlframe.workers.distributed import all_reduce_sum, rank, seed_everything
+from rlframe.workers.engine import build_engine
+from rlframe.workers.faults import install_stack_dump_handler, maybe_inject_fault
+from rlframe.workers.hf_folder import write_hf_folder
+from rlframe.workers.objectives import PolicyObjective
+from rlframe.workers.rollout.base import generate_sequences
+from rlframe.workers.rollout.factory import build_rollout_engine
+from rlframe.workers.settings import ActorSettings
+from rlframe.workers.weight_broadcast import WeightSender, make_process_group, specs_from_wire, specs_to_wire, weight_spec
+
+
+class ActorRolloutWorker:
+    """The actor (training) and the rollout engine, sharing one process and its devices."""
+
+    def __init__(self, settings: ActorSettings):
+        self.settings = settings
+        seed_everything(settings.seed + rank())
+        install_stack_dump_handler()  # SIGUSR1 -> stacks, for the driver's deadline reports
+        self.profile = settings.engine.device.profile()
+        loss = settings.loss
+        if loss.custom_loss_path:  # a user's policy loss file (algorithm.custom_policy_loss)
+            register_from_config("policy_loss", loss.custom_loss_path, loss.custom_loss_name)
+        self.engine = build_engine(settings.engine, self.profile, name="actor")
+        self.rollout = (None if settings.rollout is None else
+                        build_rollout_engine(settings.rollout, self.profile, rank(), shares_devices=True))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def describe(self) -> dict:
+        return {"rank": rank(), "pid": os.getpid(), "engine": self.profile.rollout_engine if self.rollout else "none",
+                "device": self.profile.device, "dtype": str(self.profile.dtype),
+                "strategy": self.settings.engine.strategy, "sharded": self.engine.sharded,
+                "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None}
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        out = generate_sequences(self.rollout, self.settings.rollout, prompts, rank())
+        self.rollout_sleep()  # the KV cache is not needed again until the next generation
+        return out
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        out = self.engine.forward(data, self.settings.log_prob, with_entropy=True)
+        return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """One PPO update on this rank's share; returns the (globally reduced) metrics in meta_info."""
+        step = int(data.meta_info.get("step", 0))
+        maybe_inject_fault("update_actor", step, rank())
+        loop, loss = self.settings.loop, self.settings.loss
+        # On-policy shortcut: with one epoch and one mini-batch, every forward runs before the only
+        # optimiser step, so the current log-probs ARE the old log-probs (no extra pass needed).
+        on_policy = "old_log_probs" not in data.batch.keys()
+        if on_policy and (loop.epochs != 1 or loop.mini_batch_size < len(data)):
+            raise ValueError(
+                "update without old_log_probs is only exact for one epoch and one mini-batch (epochs="
+                f"{loop.epochs}, mini-batch {loop.mini_batch_size * self.engine.sequence_parallel_size} < batch "
+                f"{len(data) * self.engine.sequence_parallel_size}). "
+                "Fix: compute old log-probs first (actor.skip_old_log_prob_when_on_policy=false).")
+        self.rollout_sleep()
+        objective = PolicyObjective(loss, on_policy)
+        self.engine.reload()
+        metrics = self.engine.train_step(data, loop, objective, seed=self.settings.seed + step,
+                                         temperature=self.settings.log_prob.temperature,
+                                         with_entropy=loss.entropy_coeff != 0)
+        self.engine.offload()
+        if on_policy and objective.drift_tokens:
+            metrics["rollout/logprob_abs_diff"] = (all_reduce_sum(objective.drift_sum)
+                                                   / max(all_reduce_sum(objective.drift_tokens), 1.0))
+        return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> dict:
+        """Stream the trainer's weights into the rollout engine (no disk); returns the seconds taken."""
+        start = time.perf_counter()
+        n = self.rollout.load_weights(self.engine.iter_full_weights(dtype=self.profile.dtype))
+        return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/tensors": n}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, out_dir: str) -> dict:
+        """Weights, optimizer, scheduler, counters and RNG states into `out_dir` (a collective)."""
+        start = time.perf_counter()
+        self.engine.save_state(out_dir, tokenizer_source=self.settings.engine.model_path)
+        return {"seconds": time.perf_counter() - start}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, in_dir: str) -> dict:
+        """Restore `save_checkpoint`'s state, then stream the weights into the rollout engine."""
+        start = time.perf_counter()
+        info = self.engine.load_state(in_dir)
+        if self.rollout is not None:  # (disaggregated: the driver broadcasts to the engines afterwards)
+            self.rollout.load_weights(self.engine.iter_full_weights(dtype=self.profile.dtype))
+        return {**info, "seconds": time.perf_counter() - start}
+
+    def rollout_sleep(self) -> None:
+        sleep = getattr(self.rollout, "sleep", None)
+        if sleep is not None:
+            sleep()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, out_dir: str) -> str:
+        """Write the actor as an HF model folder (every rank gathers its shards; rank 0 writes)."""
+        state = dict(self.engine.iter_full_weights())
+        if rank() == 0:
+            write_hf_folder(out_dir, state, self.engine.model.config, self.settings.engine.model_path)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return out_dir
+
+
+class ActorWorker(ActorRolloutWorker):
+    """The actor without a rollout engine; rank 0 broadcasts the weights to the rollout pool."""
+
+    def __init__(self, settings: ActorSettings):
+        super().__init__(settings)
+        self.sender: WeightSender | None = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_sync_address(self) -> tuple[str, int] | None:
+        """Rank 0: where the broadcast group meets (this node, a free port)."""
+        return (ray.util.get_node_ip_address(), find_free_port()) if rank() == 0 else None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_spec(self) -> list | None:
+        """Rank 0: names, global shapes and wire dtypes of the weights, in broadcast order."""
+        return specs_to_wire(weight_spec(self.engine.model.state_dict(), self.profile.dtype)) if rank() == 0 else None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, specs: list,
+                         bucket_bytes: int) -> None:
+        if rank() == 0:
+            group = make_process_group(host, port, 0, world_size, backend, timeout_s=self.settings.weight_sync_timeout_s)
+            self.sender = WeightSender(group, specs_from_wire(specs), device=self.profile.device,
+                                       bucket_bytes=bucket_bytes)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def broadcast_weights(self) -> dict:
+        """Every rank unshards (a collective of the trainer group); rank 0 sends."""
+        start = time.perf_counter()
+        weights = self.engine.iter_full_weights(dtype=self.profile.dtype)
+        if self.sender is None:
+            for _ in weights:
+                pass
+            return {"tensors": 0, "buckets": 0, "bytes": 0}
+        with torch.no_grad():
+            stats = self.sender.send(weights)
+        return {**stats, "seconds": time.perf_counter() - start}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> dict:
+        raise RuntimeError("disaggregated placement: weights reach the engines by broadcast_weights (the driver "
+                           "calls it with the rollout group's receive_weights)")
+
+
+__all__ = ["ActorRolloutWorker", "ActorWorker"]

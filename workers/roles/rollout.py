@@ -1,0 +1,63 @@
+"""The standalone rollout role of disaggregated placement (trainer.placement=disaggregated).
+
+`RolloutWorker`: a rollout engine (vLLM or HF) on devices of its own, one per rank of the rollout
+pool; the pool's size (rollout.world_size) need not match the trainer's. It generates exactly as
+the colocated actor does and receives new weights by broadcast from the actor's rank 0
+(`ActorWorker` in workers/roles/actor_rollout.py): the driver forms the group with
+`weight_sync_address` / `weight_spec` / `init_weight_sync` on both sides at once and calls
+`broadcast_weights` + `receive_weights` together after each update.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+
+from rlframe.controller import Dispatch, register
+from rlframe.protocol import DataProto
+from rlframe.workers.distributed import rank as _rank, seed_everything
+from rlframe.workers.rollout.base import generate_sequences
+from rlframe.workers.rollout.factory import build_rollout_engine
+from rlframe.workers.settings import RolloutSettings
+from rlframe.workers.weight_broadcast import WeightReceiver, make_process_group, specs_from_wire
+
+
+class RolloutWorker:
+    """One rollout engine of the disaggregated rollout pool."""
+
+    def __init__(self, settings: RolloutSettings, weight_sync_timeout_s: float = 600.0):
+        self.settings = settings
+        self.weight_sync_timeout_s = weight_sync_timeout_s
+        self.profile = settings.device.profile()
+        seed_everything(settings.seed + _rank())
+        self.rollout = build_rollout_engine(settings, self.profile, _rank(), shares_devices=False)
+        self.rollout_engine = self.profile.rollout_engine
+        self.receiver: WeightReceiver | None = None
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """As the colocated actor generates: same sampling settings, same per-step seeds."""
+        return generate_sequences(self.rollout, self.settings, prompts, _rank())
+
+    @register(Dispatch.ONE_TO_ALL)
+    def describe(self) -> dict:
+        return {"rank": _rank(), "pid": os.getpid(), "engine": self.rollout_engine, "device": self.profile.device,
+                "dtype": str(self.profile.dtype), "node_id": ray.get_runtime_context().get_node_id()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, specs: list,
+                         bucket_bytes: int) -> None:
+        """Join the broadcast group as rank 1 + this engine's rank."""
+        group = make_process_group(host, port, 1 + _rank(), world_size, backend,
+                                   timeout_s=self.weight_sync_timeout_s)
+        self.receiver = WeightReceiver(group, specs_from_wire(specs), device=self.profile.device,
+                                       bucket_bytes=bucket_bytes)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> dict:
+        start = time.perf_counter()
+        # HF copies bucket by bucket; vLLM reloads (and repacks) the whole model in one call.
+        stats = self.receiver.receive(self.rollout.load_weights, per_bucket=self.rollout_engine != "vllm")
+        return {**stats, "seconds": time.perf_counter() - start}

@@ -1,0 +1,164 @@
+"""Typed settings that roles and engines are built with.
+
+The driver derives them once from the run's config (`rlframe/trainer/worker_settings.py`, small
+pure functions) and hands them to the roles; workers never pick keys out of a config dict. Each
+dataclass holds exactly what one piece of worker code reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlframe.device import DeviceProfile, detect_profile
+
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    """What the config asks of the hardware; resolved into a DeviceProfile inside each worker process."""
+
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"
+    attn_implementation: str = "auto"
+    rollout_engine: str = "auto"
+
+    def profile(self) -> DeviceProfile:
+        return detect_profile(self.device, self.dtype, self.attn_implementation, self.rollout_engine)
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    head_lr: float | None = None  # a value head's own LR (critic); None: lr
+    max_consecutive_skips: int = 3  # non-finite updates in a row before the run stops
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a trainer engine builds and shards its model (`workers/engine/`)."""
+
+    model_path: str
+    strategy: str = "fsdp"  # the engine implementation (workers/engine/__init__.py: ENGINES)
+    head: str = "causal_lm"  # causal_lm (log-probs) | value (a scalar per position, PPO's critic)
+    device: DeviceRequest = field(default_factory=DeviceRequest)
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    use_remove_padding: str = "auto"  # auto | true | false (packed, padding-free forward)
+    sequence_parallel_size: int = 1  # Ulysses
+    offload_params: bool = False  # GPU only
+    offload_optimizer: bool = False  # GPU only
+    optim: OptimSettings | None = None  # None: a frozen model (the reference policy)
+
+
+@dataclass(frozen=True)
+class UpdateLoop:
+    """The epochs x mini-batches x micro-batches of one update, on this rank."""
+
+    mini_batch_size: int = 8  # sequences per optimiser step, on this rank
+    micro_batch_size: int = 4  # sequences per forward/backward
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget instead of a fixed count
+    epochs: int = 1
+    shuffle: bool = True
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The actor's objective: policy loss (+ KL loss, - entropy bonus)."""
+
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0  # dual clip; None: off
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    custom_loss_path: str | None = None  # algorithm.custom_policy_loss: a file registered as `policy_loss`
+    custom_loss_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """Forward passes without gradients (old / reference log-probs, values)."""
+
+    micro_batch_size: int = 16
+    max_tokens_per_micro_batch: int = 0
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout engine (`workers/rollout/`) and how it samples for training, validation, baselines."""
+
+    model_path: str
+    device: DeviceRequest = field(default_factory=DeviceRequest)
+    trust_remote_code: bool = False
+    max_model_len: int = 512
+    train: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_new_tokens=64))
+    validation: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_new_tokens=64, temperature=0.0))
+    seed: int = 0
+    gpu_memory_utilization: float = 0.4
+    cpu_kv_cache_gib: int = 1
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = 4096
+    enable_sleep_mode: bool = True
+    enforce_eager: bool = True
+
+    def greedy(self) -> SamplingSettings:
+        """One greedy sample (ReMax's baseline)."""
+        return SamplingSettings(max_new_tokens=self.train.max_new_tokens, temperature=0.0)
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """Everything the actor role (with or without its rollout engine) is built with."""
+
+    engine: EngineSettings
+    loop: UpdateLoop
+    loss: PolicyLossSettings
+    log_prob: ForwardSettings
+    rollout: RolloutSettings | None  # None: disaggregated, the engines live in their own group
+    seed: int = 0
+    weight_sync_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RefSettings:
+    engine: EngineSettings
+    log_prob: ForwardSettings
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    engine: EngineSettings
+    loop: UpdateLoop
+    forward: ForwardSettings
+    cliprange_value: float = 0.5
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RewardModelSettings:
+    model_path: str
+    device: DeviceRequest = field(default_factory=DeviceRequest)
+    max_length: int = 2048
+    micro_batch_size: int = 8
+    dtype: str = "auto"
+    trust_remote_code: bool = False
