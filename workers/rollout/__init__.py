@@ -1,0 +1,1 @@
+"""Rollout engines: vLLM and HF generate behind one factory."""
