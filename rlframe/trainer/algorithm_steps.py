@@ -14,8 +14,6 @@ from rlframe.algos.kl import kl_penalized_rewards
 from rlframe.config import RLConfig
 from rlframe.protocol import DataProto
 
-PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
-
 
 def make_kl_controller(cfg: RLConfig):
     """The reward-KL coefficient controller, or None when the KL is not in the reward."""
@@ -25,13 +23,20 @@ def make_kl_controller(cfg: RLConfig):
     return build_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
 
 
-def shape_overlong(batch: DataProto, cfg: RLConfig) -> dict[str, float]:
-    """DAPO overlong shaping: add penalty_factor * overlong_penalty(length) to the outcome score (in place)."""
+def overlong_penalties(response_mask: torch.Tensor, cfg: RLConfig) -> torch.Tensor | None:
+    """DAPO overlong shaping: penalty_factor * overlong_penalty(length) per response [B]; None when off."""
     buffer = cfg.algorithm.overlong_buffer
     if not buffer.enable:
-        return {}
+        return None
+    return buffer.penalty_factor * overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, buffer.len)
+
+
+def shape_overlong(batch: DataProto, cfg: RLConfig) -> dict[str, float]:
+    """Add the overlong penalty to each response's outcome score (on its last token, in place)."""
     mask = batch.batch["response_mask"]
-    penalty = buffer.penalty_factor * overlong_penalty(mask.sum(-1), cfg.data.max_response_length, buffer.len)
+    penalty = overlong_penalties(mask, cfg)
+    if penalty is None:
+        return {}
     scores = batch.batch["token_level_scores"]
     last = (mask.sum(-1).long() - 1).clamp(min=0)
     scores[torch.arange(len(last)), last] += penalty * (mask.sum(-1) > 0)
@@ -40,7 +45,11 @@ def shape_overlong(batch: DataProto, cfg: RLConfig) -> dict[str, float]:
 
 
 def token_level_rewards(batch: DataProto, kl_ctrl, kind: str = "k1") -> dict[str, float]:
-    """token_level_rewards = scores (- beta * KL(old policy || ref) with the KL in the reward), in place."""
+    """token_level_rewards = scores (- beta * KL(old policy || ref) with the KL in the reward), in place.
+
+    With the KL: reward/kl_penalty (mean per-token KL), reward/kl_coef (beta) and critic/rewards/mean
+    (the mean over responses of the summed token rewards, next to critic/score/mean).
+    """
     scores = batch.batch["token_level_scores"]
     if kl_ctrl is None:
         batch.batch["token_level_rewards"] = scores
@@ -50,7 +59,8 @@ def token_level_rewards(batch: DataProto, kl_ctrl, kind: str = "k1") -> dict[str
                                             batch.batch["response_mask"], beta, kind)
     batch.batch["token_level_rewards"] = rewards
     kl_ctrl.update(float(mean_kl), n_steps=len(batch))
-    return {"reward/kl_penalty": float(mean_kl), "reward/kl_coef": beta}
+    return {"reward/kl_penalty": float(mean_kl), "reward/kl_coef": beta,
+            "critic/rewards/mean": float(rewards.sum(-1).mean())}
 
 
 def keep_informative(batch: DataProto) -> DataProto:

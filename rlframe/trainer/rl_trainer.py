@@ -71,7 +71,7 @@ def reported_accuracy(result: RewardResult) -> np.ndarray | None:
     keys = ["acc"] if "acc" in result.extras else sorted(k for k in result.extras if k.endswith("/acc"))
     if not keys:
         return None
-    if len(keys) > 1:
+    if keys != ["acc"]:
         log_once(f"accuracy: per response, the mean of {', '.join(keys)} over the functions that scored it")
     values = np.stack([result.extras[key].astype(float) for key in keys])
     reported = ~np.isnan(values)

@@ -1,0 +1,184 @@
+"""The driver's algorithm steps on hand-computed numbers: DAPO overlong shaping, the KL in the reward,
+ReMax's greedy baseline and what validation reports (rlframe/trainer/algorithm_steps.py, rl_trainer.py).
+
+No workers: the trainer's rollout is a stub that returns fixed responses."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlframe.algos import FixedKLController
+from rlframe.config import RLConfig
+from rlframe.protocol import DataProto
+from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
+from rlframe.trainer import algorithm_steps
+from rlframe.trainer.rl_trainer import RLTrainer, reported_accuracy
+
+
+def overlong_config(max_len=8, buffer=4, factor=0.5) -> RLConfig:
+    cfg = RLConfig()
+    cfg.data.max_response_length = max_len
+    cfg.algorithm.overlong_buffer.enable = True
+    cfg.algorithm.overlong_buffer.len = buffer
+    cfg.algorithm.overlong_buffer.penalty_factor = factor
+    return cfg
+
+
+def mask_of(lengths, width=8) -> torch.Tensor:
+    return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
+
+
+def test_overlong_shaping_hand_computed():
+    mask = mask_of([3, 5, 8, 0])
+    scores = torch.zeros(4, 8)
+    scores[0, 2], scores[1, 4], scores[2, 7] = 1.0, 1.0, 1.0  # outcome scores on the last tokens
+    batch = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores})
+    # the buffer starts at 8 - 4 = 4 tokens: L=3 -> 0; L=5 -> (4 - 5) / 4 = -0.25; L=8 -> -1; x factor 0.5
+    expected_penalty = torch.tensor([0.0, -0.125, -0.5, 0.0])
+    assert torch.allclose(algorithm_steps.overlong_penalties(mask, overlong_config()), expected_penalty)
+    metrics = algorithm_steps.shape_overlong(batch, overlong_config())
+    assert torch.allclose(batch.batch["token_level_scores"].sum(-1), torch.tensor([1.0, 0.875, 0.5, 0.0]))
+    assert batch.batch["token_level_scores"][1, 4] == pytest.approx(0.875)  # on the last token
+    assert metrics == pytest.approx({"reward/overlong_penalty": -0.625 / 4, "reward/overlong_frac": 0.5})
+    off = RLConfig()
+    assert algorithm_steps.overlong_penalties(mask, off) is None and algorithm_steps.shape_overlong(batch, off) == {}
+
+
+def test_kl_in_reward_hand_computed():
+    mask = mask_of([2, 1], width=2)
+    scores = torch.tensor([[0.0, 1.0], [0.5, 0.0]])
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -9.0]])
+    ref = torch.tensor([[-1.5, -1.0], [-2.0, 0.0]])
+    batch = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores, "old_log_probs": old,
+                                         "ref_log_prob": ref})
+    metrics = algorithm_steps.token_level_rewards(batch, FixedKLController(0.1), "k1")
+    # k1 = old - ref: [0.5, -1.0], [1.0, (masked)]; rewards = scores - 0.1 * k1
+    expected = torch.tensor([[-0.05, 1.1], [0.4, 0.0]])
+    assert torch.allclose(batch.batch["token_level_rewards"], expected)
+    assert metrics["reward/kl_coef"] == 0.1
+    assert metrics["reward/kl_penalty"] == pytest.approx(((0.5 - 1.0) / 2 + 1.0) / 2)  # per-token mean, then rows
+    assert metrics["critic/rewards/mean"] == pytest.approx((1.05 + 0.4) / 2)
+    # without the KL in the reward the rewards are the scores and nothing is logged
+    assert algorithm_steps.token_level_rewards(batch, None) == {}
+    assert batch.batch["token_level_rewards"] is batch.batch["token_level_scores"]
+
+
+def test_reported_accuracy():
+    nan = float("nan")
+    single = RewardResult(scores=np.zeros(3), extras={"acc": np.array([1.0, 0.0, nan])})
+    assert np.array_equal(reported_accuracy(single), np.array([1.0, 0.0, nan]), equal_nan=True)
+    # several functions: labelled keys; per response the mean over the functions that scored it
+    several = RewardResult(scores=np.zeros(3), extras={"math/acc": np.array([1.0, nan, 0.0]),
+                                                       "code/acc": np.array([nan, 1.0, 1.0]),
+                                                       "math/format": np.array([1.0, 1.0, 1.0])})
+    assert np.allclose(reported_accuracy(several), [1.0, 1.0, 0.5])
+    assert reported_accuracy(RewardResult(scores=np.zeros(2), extras={"format": np.ones(2)})) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer's steps, with a stub rollout
+
+PER_SAMPLE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    right = float(ground_truth == "a")
+    return {"score": right, "acc": right}
+'''
+BATCH = '''
+REWARD_TYPE = "batch"
+
+def compute_score(reward_inputs):
+    return [{"score": x["response_length"] / 10} for x in reward_inputs]   # fails on None
+'''
+NO_ACC = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 2.0 if ground_truth == "a" else 0.5
+'''
+
+
+class StubRollout:
+    """Answers every prompt i with a response of lengths[i] tokens (of width 8)."""
+
+    def __init__(self, lengths):
+        self.lengths, self.calls = lengths, []
+
+    def generate_sequences(self, prompts: DataProto, _timeout=None) -> DataProto:
+        self.calls.append(dict(prompts.meta_info))
+        mask = mask_of(self.lengths[: len(prompts)])
+        return DataProto.from_dict(tensors={"responses": torch.ones(len(prompts), 8, dtype=torch.long),
+                                            "response_mask": mask})
+
+
+class StubTokenizer:
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return ["x" * len(row) for row in rows]
+
+
+class StubTrainer(RLTrainer):
+    """The driver's methods on stub workers (no Ray, no model)."""
+
+    actor_rollout = property(lambda self: self._rollout)
+    reward_model = property(lambda self: None)
+
+    def __init__(self, cfg: RLConfig, rewards: RewardManager, lengths, truths, run_dir: Path):
+        self.cfg, self.rewards, self._rollout, self.run_dir = cfg, rewards, StubRollout(lengths), run_dir
+        self.tokenizer, self.pad_token_id, self.phase_times, self.step = StubTokenizer(), 0, {}, 0
+        self.val_set = [{"input_ids": [5, 6], "raw_prompt": "p", "ground_truth": truth, "data_source": "d",
+                         "extra_info": None, "index": i} for i, truth in enumerate(truths)]
+
+
+def reward_manager(tmp_path, *sources) -> RewardManager:
+    specs = []
+    for i, source in enumerate(sources):
+        path = tmp_path / f"fn{i}.py"
+        path.write_text(source)
+        specs.append(RewardSpec(path=str(path)))
+    return RewardManager(specs, num_workers=0)
+
+
+def test_validation_main_case_keys_keep_their_meaning(tmp_path):
+    trainer = StubTrainer(RLConfig(), reward_manager(tmp_path, PER_SAMPLE), [2, 4, 8, 8], ["a", "b", "a", "a"],
+                          tmp_path)
+    metrics = trainer.validate()
+    assert trainer.actor_rollout.calls == [{"validate": True}]
+    assert metrics["val/reward_mean"] == metrics["val/score_mean"] == 0.75  # no RM, no shaping: the same
+    assert metrics["val/accuracy"] == 0.75
+    assert metrics["val/response_length"] == 5.5
+
+
+def test_validation_several_functions_shaping_and_batch_lengths(tmp_path, caplog):
+    cfg = overlong_config(max_len=8, buffer=4, factor=1.0)
+    trainer = StubTrainer(cfg, reward_manager(tmp_path, PER_SAMPLE, BATCH), [2, 4, 8], ["a", "b", "a"], tmp_path)
+    with caplog.at_level(logging.INFO, logger="rlframe.trainer.rl_trainer"):
+        metrics = trainer.validate()
+    # rule score = (1, 0, 1) + length / 10 (the batch function gets the real lengths 2, 4, 8)
+    assert metrics["val/reward_mean"] == pytest.approx((1.2 + 0.4 + 1.8) / 3)
+    # the training score adds the overlong penalty: 0, 0, -1 (L = 8 is at the limit)
+    assert metrics["val/score_mean"] == pytest.approx((1.2 + 0.4 + 1.8 - 1.0) / 3)
+    assert metrics["val/accuracy"] == pytest.approx(2 / 3)  # fn0/acc, the one function that reports it
+    assert "the mean of fn0/acc" in caplog.text
+
+
+def test_validation_without_acc_says_what_accuracy_means(tmp_path, caplog):
+    trainer = StubTrainer(RLConfig(), reward_manager(tmp_path, NO_ACC), [2, 4, 8], ["a", "b", "b"], tmp_path)
+    with caplog.at_level(logging.INFO, logger="rlframe.trainer.rl_trainer"):
+        metrics = trainer.validate()
+        trainer.validate()
+    assert metrics["val/accuracy"] == pytest.approx(1 / 3)  # rewards 2, 0.5, 0.5: one is >= 1
+    assert caplog.text.count("no reward function returns an 'acc' key") == 1
+
+
+def test_remax_greedy_baseline_is_overlong_shaped_like_the_samples(tmp_path):
+    cfg = overlong_config(max_len=8, buffer=4, factor=0.5)
+    trainer = StubTrainer(cfg, reward_manager(tmp_path, PER_SAMPLE), [3, 8], ["a", "b"], tmp_path)
+    batch = DataProto.from_dict(non_tensors={key: [row[key] for row in trainer.val_set]
+                                             for key in ("raw_prompt", "ground_truth", "data_source", "extra_info")})
+    prompts = DataProto.from_dict(tensors={"input_ids": torch.ones(2, 2, dtype=torch.long)}, meta_info={"step": 1})
+    baseline = trainer.greedy_baseline(batch, prompts)
+    assert trainer.actor_rollout.calls == [{"greedy": True}]
+    # scores 1, 0; penalties 0 (L=3) and 0.5 * -1 (L=8, the limit)
+    assert torch.allclose(baseline, torch.tensor([1.0, -0.5]))
