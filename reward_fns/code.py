@@ -1,6 +1,6 @@
 """Code reward (the per-sample verl form): run the generated program against test cases, sandboxed.
 
-Point a run at it with ``reward.path=reward_fns/code.py``. Unlike the other files in this folder it
+Point a run at it with ``reward.functions=[{path: reward_fns/code.py}]``. Unlike the other files in this folder it
 imports one piece of the framework, ``rlframe.reward.sandbox`` (standard library only), because
 running hostile code safely is not something a reward script should re-implement. Give the reward
 manager a per-sample timeout that covers all of a sample's test cases (``reward.timeout_s``, about

@@ -1,6 +1,6 @@
 """Countdown numbers game reward (the per-sample verl form), as in TinyZero / the R1-Zero recipes.
 
-Point a run at it with ``reward.path=reward_fns/countdown.py``. Standard library only.
+Point a run at it with ``reward.functions=[{path: reward_fns/countdown.py}]``. Standard library only.
 
 The task: given ``numbers`` and a ``target``, write an arithmetic expression with ``+ - * /`` and
 parentheses that uses the numbers and equals the target. ``ground_truth`` is a dict (or its JSON

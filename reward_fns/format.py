@@ -1,6 +1,6 @@
 """Format reward: ``<think>...</think><answer>...</answer>`` structure plus an overlong penalty.
 
-Point a run at it with ``reward.path=reward_fns/format.py`` (usually next to a correctness reward,
+Point a run at it with ``reward.functions=[{path: reward_fns/format.py}]`` (usually next to a correctness reward,
 with a small weight). It is written in the batched EasyR1 form, because the length penalty wants
 the response length in tokens, which the batched form receives::
 

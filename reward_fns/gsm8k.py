@@ -1,6 +1,6 @@
 """Strict GSM8K reward (the per-sample verl form): the answer must follow ``####``.
 
-Point a run at it with ``reward.path=reward_fns/gsm8k.py``. The last ``#### <number>`` in the
+Point a run at it with ``reward.functions=[{path: reward_fns/gsm8k.py}]``. The last ``#### <number>`` in the
 response is the answer (commas and a leading ``$`` are ignored: ``#### $1,000`` reads as 1000);
 it is compared numerically with the ground truth.
 

@@ -1,6 +1,6 @@
 """Correctness + format reward for math answers (the per-sample verl form).
 
-Point a run at this file with ``reward.path=reward_fns/math.py``. It is written the way a user
+Point a run at this file with ``reward.functions=[{path: reward_fns/math.py}]``. It is written the way a user
 writes a reward script: the standard library plus sympy (optional), no framework imports.
 
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> dict

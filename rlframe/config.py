@@ -258,7 +258,7 @@ class TrainerConfig:
     num_cpus: Optional[int] = None  # CPUs given to a local Ray cluster (default: all cores)
     cpus_per_worker: Optional[float] = None  # default: num_cpus / actor.world_size
     ray_address: Optional[str] = None
-    # Multi-node placement (rlframe/controller/placement.py, examples/multinode.md). colocated: actor,
+    # Multi-node placement (rlframe/trainer/launch.py, examples/multinode.md). colocated: actor,
     # rollout and ref share every device; disaggregated: rollout engines on their own devices (nodes).
     placement: str = "colocated"  # colocated | disaggregated
     nnodes: int = 1
@@ -384,9 +384,7 @@ def validate_config(cfg: RLConfig) -> None:
     if cfg.reward_model.enable:
         need(bool(cfg.reward_model.path) and is_resolvable(cfg.reward_model.path), "reward_model.path",
              f"'{cfg.reward_model.path}' is not a model folder or hub id. Fix: reward_model.path=/path/to/rm")
-    for i, fn in enumerate(cfg.reward.functions):
-        need(Path(fn.path).exists(), f"reward.functions[{i}].path",
-             f"'{fn.path}' does not exist. Fix: point it at your reward script (e.g. reward_fns/math.py).")
+    _validate_reward_functions(cfg, need)
     trainer = cfg.trainer
     need(trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = no checkpoints)")
     need(trainer.max_checkpoints_to_keep >= 0, "trainer.max_checkpoints_to_keep", "must be >= 0 (0 = keep all)")
@@ -465,6 +463,23 @@ def _validate_algorithm(cfg: RLConfig, need) -> None:
     need(cfg.trainer.critic_warmup >= 0, "trainer.critic_warmup", "must be >= 0")
     need(cfg.trainer.critic_warmup == 0 or algo.adv_estimator == "gae", "trainer.critic_warmup",
          "only PPO with a critic (algorithm.adv_estimator=gae) has a critic to warm up. Fix: trainer.critic_warmup=0")
+
+
+def _validate_reward_functions(cfg: RLConfig, need) -> None:
+    """Each reward file exists and defines its function (loaded here, in the driver, before any worker)."""
+    from rlframe.reward.loader import RewardLoadError
+    from rlframe.reward.manager import RewardSpec, validate_reward_specs
+
+    need(bool(cfg.reward.functions), "reward.functions", "no reward function. Fix: reward.functions=[{path: reward_fns/math.py}]")
+    for i, fn in enumerate(cfg.reward.functions):
+        if not Path(fn.path).exists():
+            need(False, f"reward.functions[{i}].path",
+                 f"'{fn.path}' does not exist. Fix: point it at your reward script (e.g. reward_fns/math.py).")
+            continue
+        try:
+            validate_reward_specs([RewardSpec(path=fn.path, name=fn.name, weight=fn.weight, data_sources=fn.data_sources)])
+        except (RewardLoadError, ValueError) as error:
+            need(False, f"reward.functions[{i}]", str(error))
 
 
 PLACEMENTS = ("colocated", "disaggregated")

@@ -35,28 +35,20 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     """Write the actor of `checkpoint` as an HF folder at `out_dir`; returns out_dir."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
 
     actor = resolve_checkpoint(checkpoint) / "actor"
-    out = Path(out_dir)
     config = AutoConfig.from_pretrained(actor)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    state = load_file(str(actor / "model.safetensors"))
+    state = load_file(str(actor / WEIGHTS_FILE))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or [k for k in missing if k not in _tied_names(model)]:
         raise SystemExit(f"error: the checkpoint's weights do not fit {config.model_type}: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.tie_weights()
-    if dtype is not None:
-        model.to(getattr(torch, dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(actor).save_pretrained(out)
-    try:
-        GenerationConfig.from_pretrained(actor).save_pretrained(out)
-    except OSError:
-        pass
-    return out
+    return write_hf_folder(out_dir, state, config, actor, dtype=getattr(torch, dtype) if dtype else None)
 
 
 def _tied_names(model) -> set[str]:

@@ -119,10 +119,8 @@ def run(cfg: RLConfig) -> dict:
     from transformers import AutoTokenizer
 
     from rlframe.models.provision import resolve_model_path
-    from rlframe.reward.manager import RewardSpec, validate_reward_specs
     from rlframe.trainer.rl_trainer import RLTrainer
 
-    validate_reward_specs([RewardSpec(path=f.path, name=f.name) for f in cfg.reward.functions])
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.run_dir or f"runs/{cfg.trainer.experiment_name}-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,25 @@ def test_overlong_shaping_hand_computed():
     assert algorithm_steps.overlong_penalties(mask, off) is None and algorithm_steps.shape_overlong(batch, off) == {}
 
 
+def test_dynamic_sampling_compares_the_scores_before_overlong_shaping():
+    # group a: both right, lengths 3 and 8 (shaped 1.0 and 0.5: they differ only by the length penalty)
+    # group b: one right, one wrong
+    mask = mask_of([3, 8, 2, 2])
+    scores = torch.zeros(4, 8)
+    scores[0, 2], scores[1, 7], scores[2, 1] = 1.0, 1.0, 1.0
+    batch = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores.clone()},
+                                non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    algorithm_steps.shape_overlong(batch, overlong_config())
+    assert torch.equal(batch.batch["outcome_scores"], torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    kept = algorithm_steps.keep_informative(batch)
+    assert list(kept.non_tensor_batch["uid"]) == ["b", "b"]
+    assert torch.allclose(kept.batch["token_level_scores"].sum(-1), torch.tensor([1.0, 0.0]))  # still shaped rows
+    # without shaping: the token-level scores themselves
+    plain = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores},
+                                non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    assert len(algorithm_steps.keep_informative(plain)) == 2
+
+
 def test_kl_in_reward_hand_computed():
     mask = mask_of([2, 1], width=2)
     scores = torch.tensor([[0.0, 1.0], [0.5, 0.0]])

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -110,8 +111,11 @@ def test_no_import_cycles():
 
 def test_wheel_carries_packages_recipes_and_reward_functions(tmp_path):
     """A non-editable wheel: every package folder, the recipes and reward_fns; a recipe composes from it."""
+    source = tmp_path / "src"  # a copy: building in place would leave build/ in the checkout
+    shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
+                                                                     "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-                    str(REPO_ROOT)], check=True, capture_output=True, timeout=600)
+                    str(source)], check=True, capture_output=True, timeout=600)
     wheel = next(tmp_path.glob("rlframe-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in ("rlframe/workers/engine/fsdp.py", "rlframe/workers/roles/actor_rollout.py",

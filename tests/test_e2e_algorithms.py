@@ -28,6 +28,15 @@ def _finite(step: dict, *keys: str) -> None:
 PARITY_REWARD = "reward.functions=[{path: " + str(REPO_ROOT / "tests" / "reward_fns" / "length_parity.py") + \
     ", name: compute_score}]"  # varies on any model, so the critic has something to regress on
 
+# The length-parity reward on odd-indexed prompts; a constant on even-indexed ones, whose groups always agree.
+HALF_CONSTANT = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] % 2 == 0:
+        return {"score": 0.0, "acc": 0.0}
+    right = float(len(solution_str) % 2 == 0)
+    return {"score": right, "acc": right}
+"""
+
 
 def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks(tmp_path, tiny_model_dir):
     metrics, stdout = _run(tmp_path, tiny_model_dir, "ppo_math", PARITY_REWARD, "actor.world_size=2",
@@ -50,13 +59,29 @@ def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks(tmp_path, tiny_model_dir):
 
 
 def test_dapo_dynamic_sampling_overlong(tmp_path, tiny_model_dir):
-    metrics, _ = _run(tmp_path, tiny_model_dir, "dapo_math", "algorithm.overlong_buffer.len=4", PARITY_REWARD, "rollout.n=4",
+    reward = tmp_path / "half_constant.py"
+    reward.write_text(HALF_CONSTANT)
+    # the overlong buffer covers the whole response (16 tokens): every response of L >= 1 tokens gets
+    # 0.5 * -L / 16 < 0, at the limit (L = 16) the full -0.5
+    metrics, _ = _run(tmp_path, tiny_model_dir, "dapo_math", "algorithm.overlong_buffer.len=16", "rollout.n=4",
+                      f"reward.functions=[{{path: {reward}, name: compute_score}}]",
                       "actor.ppo_micro_batch_size_per_device=8")
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "actor/grad_norm", "dynamic_sampling/rounds", "dynamic_sampling/kept_frac",
                 "reward/overlong_penalty", "reward/overlong_frac")
         assert step["dynamic_sampling/rounds"] >= 1
         assert "actor/kl_loss" not in step  # no KL, no reference model
+        # groups dropped in the first round (kept_frac < 1) were replaced by more rounds until the batch was full
+        assert 0 < step["dynamic_sampling/kept_frac"] <= 1
+        assert step["dynamic_sampling/kept_frac"] == 1 or step["dynamic_sampling/rounds"] >= 2
+        # the overlong penalty reached every response, the full -0.5 at the limit and less below it
+        assert step["reward/overlong_frac"] == 1.0
+        assert -0.5 <= step["reward/overlong_penalty"] < 0
+    # the even-indexed prompts' groups all agree (the reward is a constant there, whatever the lengths): dropped
+    assert any(step["dynamic_sampling/kept_frac"] < 1 for step in metrics[1:])
+    # validation reports both: the reward functions' score and the score training uses (overlong-shaped)
+    for step in (metrics[0], metrics[-1]):
+        assert step["val/score_mean"] < step["val/reward_mean"]
 
 
 def test_dapo_dynamic_sampling_cap_message(tmp_path, tiny_model_dir):
@@ -69,26 +94,62 @@ def test_dapo_dynamic_sampling_cap_message(tmp_path, tiny_model_dir):
     assert "dynamic sampling: after 2 rollout rounds only 0 of 4 prompts" in result.stderr + result.stdout
 
 
+def _check_kl_in_reward(metrics: list[dict], kl_coef: float) -> tuple[dict, dict]:
+    """rewards = scores - beta * KL(policy that sampled || ref): 0 before the first update, not after it."""
+    first, second = metrics[1], metrics[2]
+    for step in (first, second):
+        _finite(step, "reward/kl_penalty", "reward/kl_coef", "critic/rewards/mean", "critic/score/mean")
+        assert step["reward/kl_coef"] == pytest.approx(kl_coef)  # fixed beta
+    # step 1 samples with the initial policy, which is the reference: no penalty yet
+    assert first["reward/kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert first["critic/rewards/mean"] == pytest.approx(first["critic/score/mean"], abs=1e-5)
+    # after one update the penalty is in the reward
+    assert abs(second["reward/kl_penalty"]) > 1e-6
+    assert abs(second["critic/score/mean"] - second["critic/rewards/mean"]) > 1e-5
+    return first, second
+
+
 def test_rloo_kl_in_reward(tmp_path, tiny_model_dir):
-    metrics, stdout = _run(tmp_path, tiny_model_dir, "rloo_math")
+    # parity reward: advantages differ from 0, so the policy moves away from the reference at step 1;
+    # seq-mean-token-mean: the loss is the mean over responses of -A_i (ratio 1: one epoch, one mini-batch)
+    metrics, stdout = _run(tmp_path, tiny_model_dir, "rloo_math", PARITY_REWARD, "algorithm.kl_ctrl.kl_coef=0.05",
+                           "actor.optim.lr=1e-4", "actor.loss_agg_mode=seq-mean-token-mean")
     assert "+Ref" in stdout and "Critic" not in stdout
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "actor/grad_norm", "reward/kl_penalty", "reward/kl_coef",
                 "rollout/logprob_abs_diff")
+        # leave-one-out advantages sum to 0 within each group (KL penalty included): so does the loss
+        assert step["actor/pg_loss"] == pytest.approx(0.0, abs=1e-5)
+    _check_kl_in_reward(metrics, 0.05)
 
 
 def test_reinforce_plus_plus(tmp_path, tiny_model_dir):
-    metrics, _ = _run(tmp_path, tiny_model_dir, "reinforce_pp_math")
+    metrics, _ = _run(tmp_path, tiny_model_dir, "reinforce_pp_math", PARITY_REWARD, "algorithm.kl_ctrl.kl_coef=0.05",
+                      "actor.optim.lr=1e-4")
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "actor/grad_norm", "reward/kl_penalty", "critic/advantages/mean")
+        # returns-to-go whitened over all tokens of the batch: their token mean is 0
+        assert step["critic/advantages/mean"] == pytest.approx(0.0, abs=1e-5)
+    _, second = _check_kl_in_reward(metrics, 0.05)
+    # k2 = 0.5 (log p - log p_ref)^2 >= 0: the penalty lowers the reward, by beta * n_i * (row's mean KL)
+    # summed over a response of 1..max tokens
+    drop = second["critic/score/mean"] - second["critic/rewards/mean"]
+    assert second["reward/kl_penalty"] > 0 and drop > 0
+    assert 0.05 * second["reward/kl_penalty"] * 0.99 <= drop <= 0.05 * second["reward/kl_penalty"] * 16 * 1.01
 
 
 def test_remax_greedy_baseline_no_reference(tmp_path, tiny_model_dir):
+    # parity reward: the samples and the greedy response score 0 or 1. seq-mean-token-mean and an exactly
+    # on-policy update (ratio 1): the loss is the mean over responses of -A_i = -(r_i - b_i)
     metrics, stdout = _run(tmp_path, tiny_model_dir, "grpo_math", "algorithm.adv_estimator=remax",
-                           "algorithm.use_kl_loss=false")
+                           "algorithm.use_kl_loss=false", PARITY_REWARD, "actor.loss_agg_mode=seq-mean-token-mean")
     assert "+Ref" not in stdout  # no KL anywhere: the reference model is never started
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "reward/greedy_baseline_mean", "timing/rollout_greedy")
+        assert 0 <= step["reward/greedy_baseline_mean"] <= 1
+        # each sample's advantage is its reward minus its prompt's greedy reward (n samples per prompt)
+        expected = -(step["critic/score/mean"] - step["reward/greedy_baseline_mean"])
+        assert step["actor/pg_loss"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_ppo_checkpoint_holds_critic_and_resumes(tmp_path, tiny_model_dir):

@@ -186,7 +186,7 @@ def test_worker_that_dies_is_replaced(tmp_path):
 
 
 def test_bad_files_are_reported_clearly(tmp_path):
-    with pytest.raises(RewardLoadError, match="(?s)not found.*nope.py.*reward.path"):
+    with pytest.raises(RewardLoadError, match=r"(?s)not found.*nope.py.*reward.functions\[i\].path"):
         load_reward_function(tmp_path / "nope.py")
     broken = write(tmp_path, "broken.py", "import not_a_module_xyz\n")
     with pytest.raises(RewardLoadError, match="(?s)broken.py failed.*Traceback.*not_a_module_xyz"):

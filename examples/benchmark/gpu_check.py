@@ -89,7 +89,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlframe.device import detect_profile
-    from rlframe.workers.actor import PolicyModel, UpdateSettings
+    from rlframe.workers.engine import build_engine
+    from rlframe.workers.objectives import PolicyObjective
+    from rlframe.workers.settings import (DeviceRequest, EngineSettings, ForwardSettings, OptimSettings,
+                                         PolicyLossSettings, UpdateLoop)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -103,19 +106,24 @@ def main() -> None:
 
     # 1. correctness on small inputs: sharded (bf16 on GPU) vs fp32 reference, packed vs padded
     small = synthetic_batch(SIZES[args.size]["vocab_size"], batch=4, prompt=32, response=32)
-    actor = PolicyModel(model_dir, profile, train=UpdateSettings(lr=1e-6, mini_batch_size=args.batch,
-                                                                 micro_batch_size=4), packed=False)
-    fp32_profile = detect_profile("cpu", "float32", "sdpa", "hf")
-    reference = PolicyModel(model_dir, fp32_profile, train=None)
+    def engine(device: DeviceRequest, train: bool, packed: str):
+        settings = EngineSettings(model_path=model_dir, device=device, use_remove_padding=packed,
+                                  optim=OptimSettings(lr=1e-6) if train else None)
+        return build_engine(settings, device.profile())
+
+    actor = engine(DeviceRequest(args.device, "auto", "auto", "hf"), train=True, packed="false")
+    reference = engine(DeviceRequest("cpu", "float32", "sdpa", "hf"), train=False, packed="false")
     mask = small.batch["response_mask"]
-    lp_actor, _ = actor.compute_log_prob(small, 4)
-    lp_ref, _ = reference.compute_log_prob(small, 4)
+    forward = ForwardSettings(micro_batch_size=4)
+    lp_actor = actor.forward(small, forward)["log_probs"]
+    lp_ref = reference.forward(small, forward)["log_probs"]
     figures["logprob_max_abs_diff_vs_fp32"] = float(((lp_actor.float().cpu() - lp_ref) * mask).abs().max())
     actor.packed = True
-    lp_packed, _ = actor.compute_log_prob(small, 4)
+    lp_packed = actor.forward(small, forward)["log_probs"]
     actor.packed = profile.is_gpu
     figures["packed_vs_padded_max_abs_diff"] = float(((lp_packed.cpu() - lp_actor.cpu()) * mask).abs().max())
     del reference
+    loop = UpdateLoop(mini_batch_size=args.batch, micro_batch_size=4, shuffle=False)
 
     # 2. speed: a few PPO updates on a full-size synthetic batch
     batch = synthetic_batch(SIZES[args.size]["vocab_size"], args.batch, args.prompt, args.response)
@@ -124,7 +132,7 @@ def main() -> None:
     for step in range(args.steps):
         sync(args.device)
         start = time.perf_counter()
-        actor.update(batch, seed=step)
+        actor.train_step(batch, loop, PolicyObjective(PolicyLossSettings(), on_policy=False), seed=step)
         sync(args.device)
         times.append(time.perf_counter() - start)
     best = min(times[1:] or times)

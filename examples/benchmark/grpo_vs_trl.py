@@ -75,7 +75,7 @@ def bench_rlframe(args, workdir: Path) -> dict:
     return {
         "sec_per_step": statistics.median(s["timing/step"] for s in timed),
         "gen_tokens_per_s": statistics.median(s["response_length/mean"] * seq_per_step / s["timing/step"] for s in timed),
-        "trained_tokens_per_s": statistics.median(s["perf/train_tokens_per_s"] for s in timed),
+        "trained_tokens_per_s": statistics.median(s["perf/actor_train_tokens_per_s"] for s in timed),
         "samples_per_s": statistics.median(seq_per_step / s["timing/step"] for s in timed),
         "peak_rss_gib": peak,
         "phases": {p.removeprefix("timing/"): statistics.median(s.get(p, 0.0) for s in timed) for p in phases},

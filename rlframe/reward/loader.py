@@ -51,8 +51,8 @@ def _import_file(path: Path) -> ModuleType:
         return _MODULE_CACHE[key]
     if not path.is_file():
         raise RewardLoadError(
-            f"reward file not found: {path}. Set the config key `reward.path` to an existing "
-            f"Python file, e.g. reward.path=reward_fns/math.py")
+            f"reward file not found: {path}. Point the config key `reward.functions[i].path` at an existing "
+            f"Python file, e.g. reward.functions=[{{path: reward_fns/math.py}}]")
     # A private module name: a file called math.py must not shadow the standard library.
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
     module_name = f"rlframe_reward_{path.stem}_{digest}"
@@ -124,7 +124,7 @@ class RewardFunction:
             raise RewardLoadError(
                 f"reward file {path} defines no function {self.name!r}; it defines: "
                 f"{', '.join(defined) if defined else '(no public functions)'}. Set "
-                f"`reward.name` to one of them")
+                f"`reward.functions[i].name` to one of them")
         fn = getattr(module, self.name)
         if not callable(fn):
             raise RewardLoadError(
@@ -152,6 +152,6 @@ def load_reward_function(path: str | Path, name: str = "compute_score") -> Rewar
     process) and return a picklable handle to it. Raises ``RewardLoadError``."""
     if not path:
         raise RewardLoadError(
-            "no reward file given: set the config key `reward.path`, e.g. "
-            "reward.path=reward_fns/math.py")
+            "no reward file given: set the config key `reward.functions[i].path`, e.g. "
+            "reward.functions=[{path: reward_fns/math.py}]")
     return RewardFunction(path, name)

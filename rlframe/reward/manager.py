@@ -228,7 +228,8 @@ def validate_reward_specs(specs: list[RewardSpec]) -> list[RewardFunction]:
     """Load every reward function in this (the driver) process, so that a bad file, a missing
     function or a bad weight is reported before any worker starts. Returns the loaded handles."""
     if not specs:
-        raise RewardLoadError("no reward function configured: set `reward.path`")
+        raise RewardLoadError("no reward function configured: set `reward.functions`, e.g. "
+                              "reward.functions=[{path: reward_fns/math.py}]")
     fns = []
     for i, spec in enumerate(specs):
         if not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):

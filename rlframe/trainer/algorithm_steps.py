@@ -32,12 +32,16 @@ def overlong_penalties(response_mask: torch.Tensor, cfg: RLConfig) -> torch.Tens
 
 
 def shape_overlong(batch: DataProto, cfg: RLConfig) -> dict[str, float]:
-    """Add the overlong penalty to each response's outcome score (on its last token, in place)."""
+    """Add the overlong penalty to each response's outcome score (on its last token, in place).
+
+    The unshaped score stays in `outcome_scores` [B], for dynamic sampling (keep_informative).
+    """
     mask = batch.batch["response_mask"]
     penalty = overlong_penalties(mask, cfg)
     if penalty is None:
         return {}
     scores = batch.batch["token_level_scores"]
+    batch.batch["outcome_scores"] = scores.sum(-1)
     last = (mask.sum(-1).long() - 1).clamp(min=0)
     scores[torch.arange(len(last)), last] += penalty * (mask.sum(-1) > 0)
     return {"reward/overlong_penalty": float(penalty.mean()),
@@ -64,8 +68,13 @@ def token_level_rewards(batch: DataProto, kl_ctrl, kind: str = "k1") -> dict[str
 
 
 def keep_informative(batch: DataProto) -> DataProto:
-    """Dynamic sampling: only the rows of groups whose outcome scores differ."""
-    keep = informative_groups(batch.non_tensor_batch["uid"], batch.batch["token_level_scores"].sum(-1).numpy())
+    """Dynamic sampling: only the rows of groups whose outcome scores differ.
+
+    The scores before overlong shaping, as in DAPO (a group all right or all wrong is dropped, whatever
+    the lengths of its responses).
+    """
+    scores = batch.batch["outcome_scores"] if "outcome_scores" in batch else batch.batch["token_level_scores"].sum(-1)
+    keep = informative_groups(batch.non_tensor_batch["uid"], scores.numpy())
     return batch[np.nonzero(keep)[0]]
 
 
