@@ -13,12 +13,33 @@ from typing import Any, Optional
 
 
 @dataclass
+class LoraConfig:
+    """LoRA on the actor (workers/engine/lora.py, through peft): the base frozen, low-rank adapters
+    trained, the optimizer holding the adapters only. The reference policy is the actor with its
+    adapters disabled (no ref model is started). LoRA usually wants a ~10x higher LR than full
+    fine-tuning (actor.optim.lr). The critic (PPO) is not affected."""
+
+    rank: int = 0  # 0 = off (full fine-tuning)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"  # all-linear (every linear layer but the LM head) | [q_proj, v_proj, ...] | a regex
+    exclude_modules: list[str] = field(default_factory=list)
+    # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA only), the adapters in full precision.
+    load_in_4bit: bool = False
+    # How the rollout engine gets the policy after each update: merged (W + alpha/r B A under the base
+    # model's names; every engine and placement) | adapter (only A and B; the engine applies them
+    # itself: vLLM's LoRA support or the HF engine's own LoRA layers; colocated placement only).
+    weight_sync: str = "merged"
+
+
+@dataclass
 class ModelConfig:
     path: str = "smollm2-135m-instruct"  # embedded model name, HF folder, or hub id
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
     attn_implementation: str = "auto"  # auto | sdpa | eager | flash_attention_2
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -403,6 +424,7 @@ def validate_config(cfg: RLConfig) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
+    _validate_lora(cfg, need)
 def _validate_algorithm(cfg: RLConfig, need) -> None:
     """Policy loss, PPO/critic, KL-in-reward, DAPO and plugin keys (see rlframe/algos)."""
     from rlframe.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES, policy_loss_defaults
@@ -471,6 +493,76 @@ def _validate_reward_functions(cfg: RLConfig, need) -> None:
     from rlframe.reward.manager import RewardSpec, validate_reward_specs
 
     need(bool(cfg.reward.functions), "reward.functions", "no reward function. Fix: reward.functions=[{path: reward_fns/math.py}]")
+LORA_ENGINES = ("fsdp",)  # trainer engines that implement LoRA (workers/engine/lora.py)
+LORA_WEIGHT_SYNC = ("merged", "adapter")
+
+
+def _validate_lora(cfg: RLConfig, need, model_dir: str | None = None) -> None:
+    """model.lora: values, the engine, QLoRA's GPU, and target modules against the model's own module
+    names (when its config is on disk here: `model_dir`, else a folder or an already-provisioned
+    embedded model; `validate_model_lora` repeats this once the model is provisioned)."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        need(not lora.load_in_4bit, "model.lora.load_in_4bit",
+             "QLoRA trains LoRA adapters over a 4-bit base: it needs model.lora.rank > 0. Fix: model.lora.rank=16")
+        return
+    need(lora.rank > 0, "model.lora.rank", f"{lora.rank}: must be >= 0 (0 = off)")
+    need(_is_number(lora.alpha) and lora.alpha > 0, "model.lora.alpha", f"{lora.alpha!r}: must be > 0")
+    need(_is_number(lora.dropout) and 0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout!r}: must be in [0, 1)")
+    need(cfg.actor.strategy in LORA_ENGINES, "actor.strategy",
+         f"the {cfg.actor.strategy} engine does not implement LoRA (model.lora.rank={lora.rank}); engines with "
+         f"LoRA: {', '.join(LORA_ENGINES)}. Fix: actor.strategy=fsdp, or model.lora.rank=0 for full fine-tuning")
+    need(lora.weight_sync in LORA_WEIGHT_SYNC, "model.lora.weight_sync",
+         f"'{lora.weight_sync}' is not one of {', '.join(LORA_WEIGHT_SYNC)}")
+    need(lora.weight_sync != "adapter" or cfg.trainer.placement == "colocated", "model.lora.weight_sync",
+         "adapter-only sync is for colocated engines; the disaggregated broadcast sends merged weights. "
+         "Fix: model.lora.weight_sync=merged")
+    targets = lora.target_modules
+    need(isinstance(targets, str) or (isinstance(targets, (list, tuple)) and targets
+                                      and all(isinstance(t, str) for t in targets)),
+         "model.lora.target_modules", f"{targets!r}: must be all-linear, a regex, or a non-empty list of module names")
+    if lora.load_in_4bit:
+        import torch
+
+        from rlframe.workers.engine.lora import qlora_unavailable_reason
+
+        gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        reason = qlora_unavailable_reason(gpu)
+        need(reason is None, "model.lora.load_in_4bit", str(reason))
+    model_dir = _local_model_dir(model_dir or cfg.model.path)
+    if model_dir is not None and (isinstance(targets, str) or (isinstance(targets, (list, tuple)) and targets)):
+        from rlframe.workers.engine.lora import model_linear_names, target_module_problems
+
+        linear, names, output = model_linear_names(model_dir, cfg.model.trust_remote_code)
+        for key, problem in target_module_problems(targets, list(lora.exclude_modules), linear, names, output):
+            need(False, key, problem)
+
+
+def validate_model_lora(cfg: RLConfig, model_dir: str) -> None:
+    """The model-dependent LoRA checks on the provisioned model folder (before any worker starts)."""
+    problems: list[str] = []
+
+    def need(condition: bool, key: str, message: str) -> None:
+        if not condition:
+            problems.append(f"{key}: {message}")
+
+    _validate_lora(cfg, need, model_dir)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _local_model_dir(path: str) -> str | None:
+    """A model folder with a config.json on this machine (a folder, or an embedded model already
+    converted into the cache); None for hub ids and models not provisioned yet."""
+    from rlframe.models.provision import EMBEDDED_MODELS, cache_root
+
+    if path in EMBEDDED_MODELS:
+        folder = cache_root() / "models" / EMBEDDED_MODELS[path].folder_name
+    else:
+        folder = Path(path).expanduser()
+    return str(folder) if (folder / "config.json").is_file() else None
+
+
     for i, fn in enumerate(cfg.reward.functions):
         if not Path(fn.path).exists():
             need(False, f"reward.functions[{i}].path",

@@ -2,11 +2,18 @@
 
     python -m rlframe.export <run_dir>/checkpoints/step_N <out_dir>
     python -m rlframe.export <run_dir> <out_dir>          # the newest complete checkpoint of the run
+    python -m rlframe.export <lora checkpoint> <out_dir>  # LoRA: the peft adapter folder
+    python -m rlframe.export <lora checkpoint> <out_dir> --merge   # LoRA: a merged HF model
 
 The checkpoint holds the full (unsharded) weights whatever the data-parallel world size of the run
 was, so this needs no process group and no Ray: it checks the checkpoint against its manifest,
 loads the weights into a model built from the saved config, and writes safetensors + config +
 tokenizer that `transformers` and vLLM load.
+
+A LoRA run's checkpoint holds the adapters (peft format) over the base model it names
+(`base_model_name_or_path`); the export copies that adapter folder (`PeftModel.from_pretrained`,
+`AutoModelForCausalLM.from_pretrained` with peft installed, or vLLM's LoRARequest load it), or
+with `--merge` writes the base with W + (alpha / r) B A folded in: a plain HF model.
 """
 
 from __future__ import annotations
@@ -31,15 +38,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """Write the actor of `checkpoint` as an HF folder at `out_dir`; returns out_dir."""
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None, merge: bool = False,
+                      base: str | None = None) -> Path:
+    """Write the actor of `checkpoint` as an HF folder at `out_dir`; returns out_dir.
+
+    LoRA checkpoints: the adapter folder, or (`merge`) the merged model; `base` overrides the base
+    model path recorded in the adapter config."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from rlframe.workers.engine.lora import is_adapter_folder
     from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
 
     actor = resolve_checkpoint(checkpoint) / "actor"
+    if is_adapter_folder(actor):
+        return export_adapter(actor, out_dir, dtype, merge, base)
+    if merge or base:
+        raise SystemExit(f"error: --merge/--base are for LoRA checkpoints; {actor} holds full weights "
+                         "(export it without them)")
     config = AutoConfig.from_pretrained(actor)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -49,6 +66,41 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
         raise SystemExit(f"error: the checkpoint's weights do not fit {config.model_type}: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     return write_hf_folder(out_dir, state, config, actor, dtype=getattr(torch, dtype) if dtype else None)
+
+
+def export_adapter(actor: Path, out_dir: str | Path, dtype: str | None, merge: bool, base: str | None) -> Path:
+    """A LoRA checkpoint's adapter folder, copied as it is (peft format), or merged into its base."""
+    import shutil
+
+    import torch
+
+    from rlframe.workers.engine.lora import ADAPTER_CONFIG_FILE, adapter_base_path, plain_config
+    from rlframe.workers.hf_folder import copy_tokenizer, write_hf_folder
+
+    base = base or adapter_base_path(actor)
+    if not merge:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for path in actor.iterdir():  # adapter, its config, tokenizer (not the optimizer or RNG state)
+            if path.is_file() and not path.name.endswith(".pt"):
+                shutil.copy2(path, out / path.name)
+        if dtype is not None:
+            print("note: --dtype applies to merged exports only; the adapter keeps its saved dtype")
+        if not (out / ADAPTER_CONFIG_FILE).is_file():
+            raise SystemExit(f"error: {actor} has no {ADAPTER_CONFIG_FILE}")
+        return out
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if not Path(base).expanduser().is_dir() and base.startswith(("/", ".", "~")):
+        raise SystemExit(f"error: the base model {base} (base_model_name_or_path in {actor / ADAPTER_CONFIG_FILE}) "
+                         "is not on this machine. Fix: --base /path/to/the/base/model")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(actor)).merge_and_unload()  # W + (alpha / r) B A, in fp32
+    out = write_hf_folder(out_dir, merged.state_dict(), plain_config(merged.config), None,
+                          dtype=getattr(torch, dtype) if dtype else None)
+    copy_tokenizer(actor, out)
+    return out
 
 
 def _tied_names(model) -> set[str]:
@@ -64,8 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="where to write the HF model folder")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="cast the weights (default: as saved, fp32 master weights)")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA checkpoints: write the base with the adapters merged (a plain HF model) "
+                             "instead of the peft adapter folder")
+    parser.add_argument("--base", default=None,
+                        help="LoRA checkpoints: the base model folder (default: the one the run trained over)")
     args = parser.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
+    out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, merge=args.merge, base=args.base)
     print(f"exported {args.checkpoint} -> {out}")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_config
+from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_config, validate_model_lora
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -127,6 +127,11 @@ def run(cfg: RLConfig) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     print(f"run directory: {run_dir}", flush=True)
     model_path = resolve_model_path(cfg.model.path)
+    if cfg.model.lora.rank > 0:  # target modules against the provisioned model, before any worker starts
+        try:
+            validate_model_lora(cfg, model_path)
+        except ConfigError as err:
+            raise UsageError(str(err)) from None
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
     init_ray(cfg)

@@ -37,6 +37,27 @@ class OptimSettings:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters over a frozen base model (`workers/engine/lora.py`); rank 0 = full fine-tuning.
+
+    W x becomes W x + (alpha / rank) * B A dropout(x), A: rank x in, B: out x rank (B starts at 0,
+    so the adapted model starts equal to the base). `load_in_4bit`: QLoRA, the frozen base in NF4
+    (bitsandbytes, CUDA only) with the adapters in full precision.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"  # "all-linear", a regex, or module-name suffixes
+    exclude_modules: tuple[str, ...] = ()
+    load_in_4bit: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """How a trainer engine builds and shards its model (`workers/engine/`)."""
 
@@ -51,6 +72,7 @@ class EngineSettings:
     offload_params: bool = False  # GPU only
     offload_optimizer: bool = False  # GPU only
     optim: OptimSettings | None = None  # None: a frozen model (the reference policy)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: off (full fine-tuning)
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,9 @@ class RolloutSettings:
     max_num_batched_tokens: int = 4096
     enable_sleep_mode: bool = True
     enforce_eager: bool = True
+    # Adapter-only weight sync (model.lora.weight_sync=adapter): the engine applies these adapters
+    # itself and receives only their tensors after each update. None: it receives full weights.
+    lora: LoraSettings | None = None
 
     def greedy(self) -> SamplingSettings:
         """One greedy sample (ReMax's baseline)."""

@@ -113,12 +113,12 @@ class Workers:
 
 
 def trainer_roles(cfg: RLConfig, model_path: str, *, with_rollout: bool) -> dict:
-    """The roles of the trainer pool: the actor (+ its engine when colocated), + ref (KL), + reward
-    model, + critic (gae)."""
+    """The roles of the trainer pool: the actor (+ its engine when colocated), + ref (KL; under LoRA
+    the actor is the reference policy itself), + reward model, + critic (gae)."""
     actor_cls = ActorRolloutWorker if with_rollout else ActorWorker
     roles = {"actor_rollout": (actor_cls, {"settings": worker_settings.actor_settings(cfg, model_path,
                                                                                       with_rollout=with_rollout)})}
-    if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if worker_settings.uses_reference_policy(cfg) and not worker_settings.reference_is_actor(cfg):
         roles["ref"] = (RefWorker, {"settings": worker_settings.ref_settings(cfg, model_path)})
     if cfg.reward_model.enable:
         rm_path = resolve_model_path(cfg.reward_model.path)
@@ -161,7 +161,8 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
         raise
     roles = groups[0].roles
     workers = Workers(groups, pools, actor_rollout,
-                      ref=groups[0].role("ref") if "ref" in roles else None,
+                      ref=groups[0].role("ref") if "ref" in roles else (
+                          groups[0].role("actor_rollout") if worker_settings.reference_is_actor(cfg) else None),
                       critic=groups[0].role("critic") if "critic" in roles else None,
                       reward_model=groups[0].role("reward_model") if "reward_model" in roles else None,
                       placement=describe_placement(plans, groups, chosen))

@@ -230,6 +230,8 @@ class RLTrainer:
                 with self.timed("weight_sync"):
                     sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync)[0]
                 train_metrics["weight_sync/seconds"] = sync["timing/weight_sync_s"]
+                if "weight_sync/bytes" in sync:
+                    train_metrics["weight_sync/bytes"] = float(sync["weight_sync/bytes"])
 
             metrics = {**reward_metrics, **kl_metrics, **train_metrics, **batch_metrics(batch)}
             metrics.update({f"timing/{k}": v for k, v in self.phase_times.items()})

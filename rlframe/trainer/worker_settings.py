@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from rlframe.config import OptimConfig, RLConfig
 from rlframe.workers.settings import (ActorSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
-                                     OptimSettings, PolicyLossSettings, RefSettings, RewardModelSettings,
-                                     RolloutSettings, SamplingSettings, UpdateLoop)
+                                     LoraSettings, OptimSettings, PolicyLossSettings, RefSettings,
+                                     RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop)
 
 
 def device_request(cfg: RLConfig) -> DeviceRequest:
@@ -24,8 +24,26 @@ def optim_settings(optim: OptimConfig, cfg: RLConfig, head_lr: float | None = No
                          max_consecutive_skips=cfg.trainer.max_consecutive_skipped_updates)
 
 
+def lora_settings(cfg: RLConfig) -> LoraSettings:
+    """model.lora -> the adapters the actor trains (rank 0: none)."""
+    lora = cfg.model.lora
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+    return LoraSettings(rank=lora.rank, alpha=float(lora.alpha), dropout=float(lora.dropout), target_modules=targets,
+                        exclude_modules=tuple(lora.exclude_modules), load_in_4bit=lora.load_in_4bit)
+
+
+def uses_reference_policy(cfg: RLConfig) -> bool:
+    return cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def reference_is_actor(cfg: RLConfig) -> bool:
+    """Under LoRA the reference policy is the actor with its adapters disabled: no ref role."""
+    return uses_reference_policy(cfg) and cfg.model.lora.rank > 0
+
+
 def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> EngineSettings:
-    """The actor's engine (train=True) or the reference policy's (frozen, no offload)."""
+    """The actor's engine (train=True, with its LoRA adapters if any) or the reference policy's
+    (frozen, no offload)."""
     actor = cfg.actor
     return EngineSettings(
         model_path=model_path, strategy=actor.strategy, head="causal_lm", device=device_request(cfg),
@@ -33,7 +51,8 @@ def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> En
         trust_remote_code=cfg.model.trust_remote_code, use_remove_padding=str(actor.use_remove_padding),
         sequence_parallel_size=actor.ulysses_sequence_parallel_size,
         offload_params=actor.offload_params and train, offload_optimizer=actor.offload_optimizer and train,
-        optim=optim_settings(actor.optim, cfg) if train else None)
+        optim=optim_settings(actor.optim, cfg) if train else None,
+        lora=lora_settings(cfg) if train else LoraSettings())
 
 
 def actor_update_loop(cfg: RLConfig) -> UpdateLoop:
@@ -78,7 +97,8 @@ def rollout_settings(cfg: RLConfig, model_path: str) -> RolloutSettings:
         seed=cfg.trainer.seed, gpu_memory_utilization=rollout.gpu_memory_utilization,
         cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, enable_prefix_caching=rollout.enable_prefix_caching,
         enable_chunked_prefill=rollout.enable_chunked_prefill, max_num_batched_tokens=rollout.max_num_batched_tokens,
-        enable_sleep_mode=rollout.enable_sleep_mode, enforce_eager=rollout.enforce_eager)
+        enable_sleep_mode=rollout.enable_sleep_mode, enforce_eager=rollout.enforce_eager,
+        lora=lora_settings(cfg) if cfg.model.lora.rank > 0 and cfg.model.lora.weight_sync == "adapter" else None)
 
 
 def actor_settings(cfg: RLConfig, model_path: str, *, with_rollout: bool = True) -> ActorSettings:

@@ -10,6 +10,10 @@ Layout written under `<checkpoint>/actor/` or `critic/` (see rlframe/trainer/che
 - `rank_<r>.pt`: what each rank owns: LR scheduler, optimiser step / skip counters, and the RNG
   states (python, numpy, torch) that the next step's sampling and shuffling draw from.
 
+Under LoRA (`engine.lora`), the model part is a peft adapter folder instead of the full weights:
+`adapter_config.json` + `adapter_model.safetensors` (the trainable adapters only; the frozen base
+is the model at `base_model_name_or_path`), and `optimizer.pt` holds the adapters' state only.
+
 Full (gathered) state keeps the format independent of the world size; for models too large to
 gather on one rank, a sharded format would be the next step.
 """
@@ -27,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from rlframe.rng import capture_rng_state, restore_rng_state
 from rlframe.workers.distributed import barrier, rank as _rank, world_size
+from rlframe.workers.engine.lora import is_adapter_folder, read_adapter_state, write_adapter_folder
 from rlframe.workers.hf_folder import WEIGHTS_FILE as MODEL_FILE, write_hf_folder
 
 logger = logging.getLogger(__name__)
@@ -42,11 +47,16 @@ def save_engine_state(engine, out_dir: str | Path, tokenizer_source: str | None 
     """Write `engine` (a TrainerEngine with an optimizer) into `out_dir` (every rank calls)."""
     out = Path(out_dir)
     rank = _rank()
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    lora = getattr(engine, "lora", None)
+    # Under LoRA only the trainable adapters are saved (the base is frozen: it is the model on disk).
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora is not None)
     model_state = get_model_state_dict(engine.model, options=full)
     optim_state = get_optimizer_state_dict(engine.model, engine.optimizer, options=full)
-    if rank == 0:
+    if rank == 0 and lora is not None:
+        write_adapter_folder(out, model_state, engine.peft_config, tokenizer_source)
+    elif rank == 0:
         write_hf_folder(out, model_state, engine.model.config, tokenizer_source)
+    if rank == 0:
         torch.save(optim_state, out / OPTIMIZER_FILE)
     barrier()  # out/ exists for every rank below
     own = {"scheduler": engine.scheduler.state_dict(), "optimizer_steps": engine.optimizer_steps,
@@ -64,8 +74,9 @@ def load_engine_state(engine, in_dir: str | Path) -> dict:
     distributed = _distributed(engine.model)
     # Every rank reads the full files (a checkpoint sits on a shared or local disk); the set_*
     # calls keep only each rank's shard.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    model_state = load_file(str(src / MODEL_FILE))
+    adapters = is_adapter_folder(src)  # LoRA: the adapters only, the frozen base stays as built
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False, strict=not adapters)
+    model_state = read_adapter_state(src) if adapters else load_file(str(src / MODEL_FILE))
     if not distributed:
         model_state = {k: v.to(next(engine.model.parameters()).device) for k, v in model_state.items()}
     set_model_state_dict(engine.model, model_state, options=options)

@@ -4,17 +4,26 @@ One class for every role that trains or scores with a model: the actor and the r
 (`head="causal_lm"`: log-probs and entropy of the response tokens, packed and Ulysses-parallel
 when asked) and PPO's critic (`head="value"`: a value per response position). With `optim=None`
 the model is frozen (the reference policy). On one CPU rank FSDP is skipped (it would only copy).
+
+With `settings.lora` (rank > 0) the causal LM gets LoRA adapters before sharding (`lora.py`): the
+base is frozen, the optimizer holds the adapters only, `iter_full_weights` yields the merged
+weights under the base model's names, `adapters_disabled()` gives the base model (the reference
+policy) and checkpoints hold the adapters. QLoRA's 4-bit base (GPU) is replicated rather than
+sharded (FSDP2 cannot shard bitsandbytes' packed weights): its adapter gradients are averaged with
+one all-reduce per step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.engine.base import MODEL_INPUTS, TrainerEngine
+from rlframe.workers.engine import lora as lora_lib
 from rlframe.workers.engine.checkpoint import load_engine_state, save_engine_state
 from rlframe.workers.engine.hf_model import (build_causal_lm, forward_response_log_probs, iter_full_weights,
                                              needs_sharding, shard_model)
@@ -35,6 +44,8 @@ class FSDPEngine(TrainerEngine):
         self.device = torch.device(profile.device)
         train = settings.optim is not None
         self.value_head = settings.head == "value"
+        self.lora = settings.lora if settings.lora.enabled and not self.value_head else None
+        qlora = self.lora is not None and self.lora.load_in_4bit
         if self.value_head:
             self.sp, self.packed = None, False
             self.model = build_value_model(settings.model_path, profile, trust_remote_code=settings.trust_remote_code,
@@ -46,16 +57,19 @@ class FSDPEngine(TrainerEngine):
             self.packed = use_remove_padding(settings.use_remove_padding, profile) or self.sp is not None
             # fp32 master weights; on GPU, FSDP's mixed precision computes in bf16.
             master_dtype = torch.float32 if (train or not profile.is_gpu) else profile.dtype
-            self.model = build_causal_lm(settings.model_path, profile, dtype=master_dtype, packed=self.packed,
-                                         gradient_checkpointing=settings.gradient_checkpointing and train,
-                                         trust_remote_code=settings.trust_remote_code,
-                                         sequence_parallel=self.sp is not None)
+            build = lora_lib.build_qlora_base if qlora else build_causal_lm
+            self.model = build(settings.model_path, profile, **({} if qlora else {"dtype": master_dtype}),
+                               packed=self.packed, gradient_checkpointing=settings.gradient_checkpointing and train,
+                               trust_remote_code=settings.trust_remote_code, sequence_parallel=self.sp is not None)
+            if self.lora is not None:  # adapters before sharding; the base is frozen from here on
+                self.peft_config = lora_lib.apply_lora(self.model, self.lora, settings.model_path)
             if self.sp is not None and self.model.config.num_attention_heads % self.sp.size:
                 raise ValueError(f"actor.ulysses_sequence_parallel_size={self.sp.size} must divide the model's "
                                  f"{self.model.config.num_attention_heads} attention heads")
-        if profile.is_gpu and not settings.offload_params:
+        if profile.is_gpu and not settings.offload_params and not qlora:  # (QLoRA loads onto its GPU)
             self.model.to(self.device)
-        self.sharded = needs_sharding(profile)
+        self.sharded = needs_sharding(profile) and not qlora
+        self.replicated_grads = qlora and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if self.sharded:
             shard_model(self.model, profile, offload_params=settings.offload_params)
         self.offload_optimizer = settings.offload_optimizer and profile.is_gpu
@@ -73,9 +87,10 @@ class FSDPEngine(TrainerEngine):
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
     def _param_groups(self, optim: OptimSettings):
-        """One group; a value head gets its own LR (it starts at zero and must reach the reward scale)."""
+        """One group; a value head gets its own LR (it starts at zero and must reach the reward scale).
+        Frozen parameters (the base under LoRA) get no optimizer state."""
         if not self.value_head:
-            return self.model.parameters()
+            return [p for p in self.model.parameters() if p.requires_grad]
         head = list(self.model.value_head.parameters())
         head_ids = {id(p) for p in head}
         return [{"params": [p for p in self.model.parameters() if id(p) not in head_ids], "lr": optim.lr},
@@ -96,6 +111,8 @@ class FSDPEngine(TrainerEngine):
         loss.backward()
 
     def clip_norm(self, max_norm: float) -> float:
+        if self.replicated_grads:
+            _average_gradients(self.model)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -109,7 +126,27 @@ class FSDPEngine(TrainerEngine):
         return gather_rows(data, self.sp) if self.sp is not None else (data, slice(0, len(data)))
 
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names and full tensors; under LoRA the merged weights W + (alpha / r) B A."""
+        if self.lora is not None:
+            return lora_lib.iter_merged_weights(self.model, dtype=dtype)
         return iter_full_weights(self.model, dtype=dtype)
+
+    # ------------------------------------------------------------------ LoRA only
+    def iter_adapter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapter tensors (A, B) under the model's state-dict keys: adapter-only weight sync."""
+        self._require_lora("iter_adapter_weights")
+        return lora_lib.iter_adapter_weights(self.model, dtype=dtype)
+
+    @contextmanager
+    def adapters_disabled(self):
+        """The frozen base model, for the reference log-probs under LoRA (no second model in memory)."""
+        self._require_lora("adapters_disabled")
+        with lora_lib.adapters_disabled(self.model):
+            yield
+
+    def _require_lora(self, what: str) -> None:
+        if self.lora is None:
+            raise RuntimeError(f"{self.name}: {what} needs LoRA adapters (model.lora.rank > 0)")
 
     def save_state(self, out_dir: str, tokenizer_source: str | None = None) -> None:
         self.reload()
@@ -130,6 +167,15 @@ class FSDPEngine(TrainerEngine):
     def reload(self) -> None:
         if self.offload_optimizer and self.optimizer is not None:
             _move_optimizer_state(self.optimizer, self.device)
+
+
+def _average_gradients(model: torch.nn.Module) -> None:
+    """Replicated (unsharded) trainable parameters: grad <- sum over ranks / world size, in place."""
+    world = torch.distributed.get_world_size()
+    for param in model.parameters():
+        if param.grad is not None:
+            torch.distributed.all_reduce(param.grad)
+            param.grad.div_(world)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

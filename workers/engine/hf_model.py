@@ -26,9 +26,10 @@ LOGIT_CHUNK = 1024
 
 def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing: bool = False,
                     trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
-                    packed: bool = False, sequence_parallel: bool = False) -> nn.Module:
+                    packed: bool = False, sequence_parallel: bool = False, **load_kwargs) -> nn.Module:
     """`packed`: the model will only see packed rows; without flash-attn it attends with VARLEN_SDPA.
-    `sequence_parallel`: packed rows split over an SP group, attending with ULYSSES_SDPA."""
+    `sequence_parallel`: packed rows split over an SP group, attending with ULYSSES_SDPA.
+    `load_kwargs`: more `from_pretrained` arguments (QLoRA's quantization_config and device_map)."""
     from transformers import AutoModelForCausalLM
 
     attn_implementation = profile.attn_implementation
@@ -39,7 +40,7 @@ def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing
         register_varlen_attention()
         attn_implementation = VARLEN_SDPA
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, **load_kwargs)
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -6,6 +6,11 @@
   broadcast group (workers/weight_broadcast.py) and sends the full weights to the rollout pool
   (`workers/roles/rollout.py`) after each update.
 
+Under LoRA (`model.lora.rank > 0`) the actor is also the reference policy: `compute_ref_log_prob`
+runs its own model with the adapters disabled, and no ref role is started. Weight sync then streams
+the merged weights (base names, any engine), or with `model.lora.weight_sync=adapter` only the
+adapter tensors into an engine that applies the adapters itself.
+
 Each public method is declared with its dispatch mode; the driver calls the group as one object.
 """
 
@@ -23,6 +28,7 @@ from rlframe.controller.worker_host import find_free_port
 from rlframe.protocol import DataProto
 from rlframe.workers.distributed import all_reduce_sum, rank, seed_everything
 from rlframe.workers.engine import build_engine
+from rlframe.workers.engine.lora import merged_weight_view, plain_config
 from rlframe.workers.faults import install_stack_dump_handler, maybe_inject_fault
 from rlframe.workers.hf_folder import write_hf_folder
 from rlframe.workers.objectives import PolicyObjective
@@ -66,6 +72,13 @@ class ActorRolloutWorker:
         return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """LoRA only: the reference policy is the frozen base, i.e. this model with its adapters disabled."""
+        with self.engine.adapters_disabled():
+            out = self.engine.forward(data, self.settings.log_prob)
+        return DataProto.from_dict(tensors={"ref_log_prob": out["log_probs"]})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update on this rank's share; returns the (globally reduced) metrics in meta_info."""
         step = int(data.meta_info.get("step", 0))
@@ -96,8 +109,19 @@ class ActorRolloutWorker:
     def sync_weights(self) -> dict:
         """Stream the trainer's weights into the rollout engine (no disk); returns the seconds taken."""
         start = time.perf_counter()
-        n = self.rollout.load_weights(self.engine.iter_full_weights(dtype=self.profile.dtype))
-        return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/tensors": n}
+        n, nbytes = self._load_into_rollout()
+        return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/tensors": n,
+                "weight_sync/bytes": nbytes}
+
+    def _load_into_rollout(self) -> tuple[int, int]:
+        """Full (or, under LoRA, merged) weights; or the adapter tensors alone when the engine applies
+        the adapters itself (model.lora.weight_sync=adapter). Returns (tensors, bytes) streamed."""
+        counter = _ByteCounter()
+        if self.settings.rollout.lora is not None:
+            n = self.rollout.load_adapter(counter.count(self.engine.iter_adapter_weights(dtype=self.profile.dtype)))
+        else:
+            n = self.rollout.load_weights(counter.count(self.engine.iter_full_weights(dtype=self.profile.dtype)))
+        return n, counter.bytes
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, out_dir: str) -> dict:
@@ -112,7 +136,7 @@ class ActorRolloutWorker:
         start = time.perf_counter()
         info = self.engine.load_state(in_dir)
         if self.rollout is not None:  # (disaggregated: the driver broadcasts to the engines afterwards)
-            self.rollout.load_weights(self.engine.iter_full_weights(dtype=self.profile.dtype))
+            self._load_into_rollout()
         return {**info, "seconds": time.perf_counter() - start}
 
     def rollout_sleep(self) -> None:
@@ -125,7 +149,7 @@ class ActorRolloutWorker:
         """Write the actor as an HF model folder (every rank gathers its shards; rank 0 writes)."""
         state = dict(self.engine.iter_full_weights())
         if rank() == 0:
-            write_hf_folder(out_dir, state, self.engine.model.config, self.settings.engine.model_path)
+            write_hf_folder(out_dir, state, plain_config(self.engine.model.config), self.settings.engine.model_path)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         return out_dir
@@ -146,7 +170,8 @@ class ActorWorker(ActorRolloutWorker):
     @register(Dispatch.ONE_TO_ALL)
     def weight_spec(self) -> list | None:
         """Rank 0: names, global shapes and wire dtypes of the weights, in broadcast order."""
-        return specs_to_wire(weight_spec(self.engine.model.state_dict(), self.profile.dtype)) if rank() == 0 else None
+        view = merged_weight_view(self.engine.model)  # under LoRA: the merged weights' base names
+        return specs_to_wire(weight_spec(view, self.profile.dtype)) if rank() == 0 else None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, specs: list,
@@ -173,6 +198,18 @@ class ActorWorker(ActorRolloutWorker):
     def sync_weights(self) -> dict:
         raise RuntimeError("disaggregated placement: weights reach the engines by broadcast_weights (the driver "
                            "calls it with the rollout group's receive_weights)")
+
+
+class _ByteCounter:
+    """Counts the bytes of the (name, tensor) pairs streamed through `count`."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def count(self, weights):
+        for name, tensor in weights:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
 
 
 __all__ = ["ActorRolloutWorker", "ActorWorker"]

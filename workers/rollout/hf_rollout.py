@@ -1,7 +1,9 @@
 """Rollout with HF `generate`: the fallback engine when vLLM is not installed.
 
 The engine keeps its own unsharded copy of the policy (generation calls the model a different
-number of times on each rank, which a sharded model cannot do), refreshed by `load_weights`.
+number of times on each rank, which a sharded model cannot do), refreshed by `load_weights`. With
+`lora` (adapter-only weight sync) the copy carries the same LoRA layers as the trainer and
+`load_adapter` refreshes only their A and B.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.engine.hf_model import build_causal_lm
 from rlframe.workers.rollout.base import build_rollout_batch
-from rlframe.workers.settings import SamplingSettings
+from rlframe.workers.settings import LoraSettings, SamplingSettings
 
 
 class HFRollout:
     def __init__(self, model_path: str, profile: DeviceProfile, *, eos_token_ids: list[int], pad_token_id: int,
-                 batch_size: int = 64, trust_remote_code: bool = False):
+                 batch_size: int = 64, trust_remote_code: bool = False, lora: LoraSettings | None = None):
         self.profile = profile
         self.model = build_causal_lm(model_path, profile, dtype=profile.dtype, trust_remote_code=trust_remote_code)
+        if lora is not None:
+            from rlframe.workers.engine.lora import apply_lora
+
+            apply_lora(self.model, lora, model_path)  # B = 0: generates as the base until the first sync
         self.model.config.use_cache = True
         self.model.to(profile.device).eval().requires_grad_(False)
         self.eos_token_ids = eos_token_ids
@@ -37,6 +43,10 @@ class HFRollout:
                 params[name].copy_(tensor)
                 loaded += 1
         return loaded
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The adapter tensors (A, B) under the trainer's state-dict keys, which are this copy's too."""
+        return self.load_weights(weights)
 
     @torch.no_grad()
     def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:

@@ -5,11 +5,16 @@ direct call into its model runner: the trainer streams `(name, tensor)` pairs, t
 them, and its prefix cache is reset (a cached prefix computed with old weights would be stale).
 On GPU the engine sleeps while the trainer trains (weights and KV cache freed) and wakes for
 generation; the CPU backend has no sleep mode.
+
+With `lora` (adapter-only weight sync under LoRA) the engine runs the base model with vLLM's LoRA
+support: `load_adapter` writes the adapter tensors as a peft folder (in /dev/shm where there is
+one) and registers it under a new id; every generation then runs with that adapter.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 
 import torch
@@ -17,7 +22,9 @@ import torch
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import build_rollout_batch, unpadded_prompts
-from rlframe.workers.settings import SamplingSettings
+from rlframe.workers.settings import LoraSettings, SamplingSettings
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
 def _reload_weights(worker, weights):  # runs inside vLLM's worker (same process)
@@ -30,7 +37,7 @@ class VLLMRollout:
                  pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: int = 1,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_num_batched_tokens: int = 4096, enable_sleep_mode: bool = True, enforce_eager: bool = True,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, lora: LoraSettings | None = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's CPU backend pins OpenMP threads and freezes torch.set_num_threads; in a process that
         # also trains, that halves the trainer's throughput (measured: 531 vs 209 forward tok/s).
@@ -50,6 +57,10 @@ class VLLMRollout:
         )
         if profile.is_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        self.lora, self.lora_request, self.adapter_dir = lora, None, None
+        if lora is not None:
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                          max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora.rank))
         self.llm = LLM(**kwargs)
         self.asleep = False
 
@@ -60,6 +71,28 @@ class VLLMRollout:
         self.llm.collective_rpc(_reload_weights, args=(weights,))
         self.llm.reset_prefix_cache()
         return len(weights)
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Adapter-only sync: (trainer state-dict key, A or B) -> a peft folder -> a new LoRA id."""
+        from vllm.lora.request import LoRARequest
+
+        from rlframe.workers.engine.lora import adapted_module_suffixes, peft_lora_config, write_adapter_folder
+
+        state = dict(weights)
+        if self.asleep:
+            self.wake_up(tags=["weights"])
+        if self.adapter_dir is None:
+            self.adapter_dir = tempfile.mkdtemp(prefix="rlframe-adapter-",
+                                                dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        write_adapter_folder(self.adapter_dir, state, peft_lora_config(self.lora, None, adapted_module_suffixes(state)))
+        previous = self.lora_request
+        version = previous.lora_int_id + 1 if previous is not None else 1
+        self.lora_request = LoRARequest(f"rlframe-policy-{version}", version, self.adapter_dir)
+        self.llm.llm_engine.add_lora(self.lora_request)  # read now, so the sync time includes the load
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.llm.reset_prefix_cache()
+        return len(state)
 
     def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:
         from vllm import SamplingParams
@@ -72,7 +105,7 @@ class VLLMRollout:
             top_k=sampling.top_k if not sampling.greedy else -1,
         )
         requests = [{"prompt_token_ids": ids} for ids in unpadded_prompts(prompts)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         responses, log_probs = [], []
         for out in outputs:
             completion = out.outputs[0]
