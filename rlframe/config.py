@@ -134,7 +134,7 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"  # the trainer engine (workers/engine/): fsdp (FSDP2); the ref and critic use it too
+    strategy: str = "fsdp"  # the trainer engine (workers/engine/): fsdp (FSDP2) | deepspeed (ZeRO); ref and critic too
     world_size: int = 1  # data-parallel ranks of the actor (and colocated rollout / ref)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 8  # prompts per optimiser step (x rollout.n sequences)
@@ -149,7 +149,7 @@ class ActorConfig:
     clip_ratio_low: Any = "auto"  # ratio range [1 - low, 1 + high]; high > low is DAPO's clip-higher
     clip_ratio_high: Any = "auto"
     clip_ratio_c: Any = "auto"  # dual clip (vanilla): for A < 0 the loss is capped at -A * c
-    loss_agg_mode: str = "auto"  # auto | token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = "auto"  # auto | token-mean | seq-mean-token-sum | seq-mean-token-mean | ...-sum-norm
     entropy_coeff: float = 0.0
     log_prob_micro_batch_size_per_device: int = 16
     # With one epoch and one mini-batch per step the update is exactly on-policy: the old log-probs
@@ -170,8 +170,8 @@ class ActorConfig:
     # (1/P of the tokens each; all-to-all around attention). Must divide world_size and the model's
     # attention heads; needs use_remove_padding. Applies to the actor and the reference policy.
     ulysses_sequence_parallel_size: int = 1
-    offload_params: bool = False  # GPU only: keep params on CPU between phases
-    offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases
+    offload_params: bool = False  # GPU only: keep params on CPU between phases (deepspeed: = deepspeed.offload)
+    offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases (deepspeed: = adam_offload)
 
 
 @dataclass
@@ -306,6 +306,48 @@ class TrainerConfig:
     max_consecutive_skipped_updates: int = 3
 
 
+# OpenRLHF's DeepSpeed flags that rlframe does not implement: key -> what it is (set, it is an error).
+UNHONOURED_DEEPSPEED_KEYS = {
+    "zpg": (1, "ZeRO++ hierarchical partitioning"),
+    "ds_tensor_parallel_size": (1, "DeepSpeed AutoTP tensor parallelism"),
+    "deepspeed_enable_sleep": (False, "DeepSpeed's sleep (offload_states between phases)"),
+    "enable_ema": (False, "an EMA copy of the actor"),
+    "use_ds_universal_ckpt": (False, "DeepSpeed universal checkpoints (rlframe writes its own full-weight layout)"),
+    "deepcompile": (False, "DeepCompile"),
+}
+
+
+@dataclass
+class DeepSpeedConfig:
+    """actor.strategy=deepspeed (workers/engine/deepspeed.py): DeepSpeed ZeRO for the actor, the reference
+    policy and the critic. Keys are named as OpenRLHF's flags, so its users' settings carry over; the
+    flags every rlframe engine has live with them: --bf16 is model.dtype, --gradient_checkpointing
+    model.gradient_checkpointing, --max_norm actor.optim.grad_clip, --packing_samples
+    actor.use_remove_padding, --micro_train_batch_size actor.ppo_micro_batch_size_per_device."""
+
+    zero_stage: int = 2  # 2: optimizer state + gradients sharded over the ranks | 3: parameters too
+    adam_offload: bool = False  # ZeRO-Offload: optimizer state and step on the CPU (DeepSpeedCPUAdam)
+    offload: bool = False  # ZeRO-Infinity: the parameters on the CPU (needs zero_stage=3)
+    ref_reward_offload: bool = False  # the reference policy's parameters on the CPU (ZeRO-3 inference)
+    overlap_comm: bool = False  # overlap the gradient reduction with the backward pass
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000  # elements per gradient reduction
+    allgather_bucket_size: int = 500_000_000  # ZeRO-2: elements per all-gather of the updated parameters
+    stage3_prefetch_bucket_size: int = 50_000_000  # ZeRO-3: elements fetched ahead of use
+    stage3_param_persistence_threshold: int = 100_000  # ZeRO-3: smaller parameters stay whole on every rank
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000  # ZeRO-3: elements per optimizer sub-group
+    grad_accum_dtype: Optional[str] = None  # fp32 | bf16; null: DeepSpeed's default
+    # OpenRLHF flags rlframe does not implement (UNHONOURED_DEEPSPEED_KEYS): an error unless left as they are.
+    zpg: int = 1
+    ds_tensor_parallel_size: int = 1
+    deepspeed_enable_sleep: bool = False
+    enable_ema: bool = False
+    use_ds_universal_ckpt: bool = False
+    deepcompile: bool = False
+
+
 @dataclass
 class RLConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -317,6 +359,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # actor.strategy=deepspeed
 
 
 class ConfigError(ValueError):
@@ -327,18 +370,24 @@ POLICY_LOSS_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_a
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "opo", "reinforce_plus_plus_baseline")  # baseline from the group
 
 
-def apply_algorithm_defaults(cfg: RLConfig) -> RLConfig:
-    """Replace the actor's policy-loss options left at "auto" by the loss's published defaults (in place).
+def policy_loss_options(actor: ActorConfig) -> dict[str, Any]:
+    """The actor's POLICY_LOSS_KEYS with "auto" resolved to the policy loss's published default (pure).
 
-    A key the loss does not read becomes None; one set explicitly is kept (validate_config rejects it
-    if the loss ignores it). Idempotent: nothing is "auto" after the first call.
+    A key the loss does not read resolves to None; one set explicitly is kept as it is
+    (validate_config rejects it if the loss ignores it).
     """
     from rlframe.algos.losses import policy_loss_defaults
 
-    defaults = policy_loss_defaults(cfg.actor.policy_loss)
-    for key in POLICY_LOSS_KEYS:
-        if isinstance(getattr(cfg.actor, key), str) and getattr(cfg.actor, key) == "auto":
-            setattr(cfg.actor, key, defaults.get(key))
+    defaults = policy_loss_defaults(actor.policy_loss)
+    values = {key: getattr(actor, key) for key in POLICY_LOSS_KEYS}
+    return {key: defaults.get(key) if isinstance(value, str) and value == "auto" else value
+            for key, value in values.items()}
+
+
+def apply_algorithm_defaults(cfg: RLConfig) -> RLConfig:
+    """Write policy_loss_options into cfg.actor (in place; idempotent: nothing is "auto" afterwards)."""
+    for key, value in policy_loss_options(cfg.actor).items():
+        setattr(cfg.actor, key, value)
     return cfg
 
 
@@ -418,13 +467,14 @@ def validate_config(cfg: RLConfig) -> None:
     need(trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates", "must be >= 1")
     _validate_algorithm(cfg, need)
     _validate_placement(cfg, need)
+    _validate_deepspeed(cfg, need)
+    _validate_lora(cfg, need)
     unknown_loggers = set(cfg.trainer.loggers) - {"console", "jsonl", "wandb", "tensorboard"}
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
-    _validate_lora(cfg, need)
 def _validate_algorithm(cfg: RLConfig, need) -> None:
     """Policy loss, PPO/critic, KL-in-reward, DAPO and plugin keys (see rlframe/algos)."""
     from rlframe.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES, policy_loss_defaults
@@ -487,12 +537,6 @@ def _validate_algorithm(cfg: RLConfig, need) -> None:
          "only PPO with a critic (algorithm.adv_estimator=gae) has a critic to warm up. Fix: trainer.critic_warmup=0")
 
 
-def _validate_reward_functions(cfg: RLConfig, need) -> None:
-    """Each reward file exists and defines its function (loaded here, in the driver, before any worker)."""
-    from rlframe.reward.loader import RewardLoadError
-    from rlframe.reward.manager import RewardSpec, validate_reward_specs
-
-    need(bool(cfg.reward.functions), "reward.functions", "no reward function. Fix: reward.functions=[{path: reward_fns/math.py}]")
 LORA_ENGINES = ("fsdp",)  # trainer engines that implement LoRA (workers/engine/lora.py)
 LORA_WEIGHT_SYNC = ("merged", "adapter")
 
@@ -563,6 +607,12 @@ def _local_model_dir(path: str) -> str | None:
     return str(folder) if (folder / "config.json").is_file() else None
 
 
+def _validate_reward_functions(cfg: RLConfig, need) -> None:
+    """Each reward file exists and defines its function (loaded here, in the driver, before any worker)."""
+    from rlframe.reward.loader import RewardLoadError
+    from rlframe.reward.manager import RewardSpec, validate_reward_specs
+
+    need(bool(cfg.reward.functions), "reward.functions", "no reward function. Fix: reward.functions=[{path: reward_fns/math.py}]")
     for i, fn in enumerate(cfg.reward.functions):
         if not Path(fn.path).exists():
             need(False, f"reward.functions[{i}].path",
@@ -611,6 +661,47 @@ def _validate_placement(cfg: RLConfig, need) -> None:
              + (f"(actor.world_size={cfg.actor.world_size} + rollout.world_size={rollout_world_size(cfg)})"
                 if t.placement == "disaggregated" else f"(actor.world_size={cfg.actor.world_size})")
              + f" but trainer.nnodes x trainer.devices_per_node = {have}. Fix: raise one of them or lower the world sizes")
+
+
+def _validate_deepspeed(cfg: RLConfig, need) -> None:
+    """The deepspeed section: OpenRLHF flags we do not implement, the ZeRO stage, offload and its C++ extension."""
+    ds = cfg.deepspeed
+    for key, (off, what) in UNHONOURED_DEEPSPEED_KEYS.items():
+        need(getattr(ds, key) == off, f"deepspeed.{key}",
+             f"{what} is not implemented by rlframe's DeepSpeed engine. Fix: remove deepspeed.{key} (or set it to {off})")
+    if cfg.actor.strategy != "deepspeed":  # (the section is ignored, so a recipe can be compared with fsdp)
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        need(False, "actor.strategy", "deepspeed is not installed. Fix: make install (or pip install -e '.[deepspeed]' "
+             "next to your torch), or actor.strategy=fsdp")
+        return
+    from rlframe.workers.engine.deepspeed import SUPPORTED_ZERO_STAGES, extension_problem
+
+    need(ds.zero_stage in SUPPORTED_ZERO_STAGES, "deepspeed.zero_stage",
+         f"{ds.zero_stage} is not supported (stages {', '.join(map(str, SUPPORTED_ZERO_STAGES))}: 2 shards optimizer "
+         "state and gradients, 3 parameters too). Fix: deepspeed.zero_stage=2 or 3")
+    need(not (ds.offload or cfg.actor.offload_params) or ds.zero_stage == 3, "deepspeed.offload",
+         "parameter offload needs partitioned parameters, i.e. ZeRO stage 3. Fix: deepspeed.zero_stage=3, or "
+         "deepspeed.offload=false (and actor.offload_params=false)")
+    need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
+         "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
+    need(cfg.model.dtype != "float16", "model.dtype",
+         "float16 needs loss scaling, which the deepspeed engine does not use. Fix: model.dtype=bfloat16 (or auto)")
+    need(ds.grad_accum_dtype in (None, "fp32", "bf16"), "deepspeed.grad_accum_dtype",
+         f"'{ds.grad_accum_dtype}' is not fp32, bf16 or null")
+    need(not (cfg.trainer.placement == "disaggregated" and ds.zero_stage == 3), "deepspeed.zero_stage",
+         "the disaggregated weight broadcast plans its buckets from the module's parameter shapes, which ZeRO-3 "
+         "partitions. Fix: deepspeed.zero_stage=2, or trainer.placement=colocated")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"):
+        need(getattr(ds, key) > 0, f"deepspeed.{key}", "must be > 0 (elements)")
+    if ds.adam_offload or cfg.actor.offload_optimizer:
+        problem = extension_problem()
+        need(problem is None, "deepspeed.adam_offload",
+             f"optimizer offload steps with DeepSpeedCPUAdam, whose C++ extension (cpu_adam) cannot load here: "
+             f"{problem}. Fix: install ninja and a C++ compiler (make install then builds it once), or "
+             "deepspeed.adam_offload=false and actor.offload_optimizer=false")
 
 
 def _is_number(value: Any) -> bool:

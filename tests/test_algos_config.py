@@ -3,7 +3,7 @@ estimators that need a group. Checked before any worker starts (rlframe.config.v
 
 import pytest
 
-from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_config
+from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, policy_loss_options, validate_config
 from rlframe.main import compose_config
 
 LOSS_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode")
@@ -35,6 +35,8 @@ def problems(cfg: RLConfig) -> str:
 def test_auto_becomes_the_losses_published_defaults(policy_loss, expected):
     cfg = config(policy_loss)
     assert loss_options(cfg) == ("auto",) * 4
+    assert tuple(policy_loss_options(cfg.actor).values()) == expected
+    assert loss_options(cfg) == ("auto",) * 4  # policy_loss_options changes nothing
     assert loss_options(apply_algorithm_defaults(cfg)) == expected
     assert loss_options(apply_algorithm_defaults(cfg)) == expected  # idempotent
     validate_config(cfg)  # and valid

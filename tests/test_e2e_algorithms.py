@@ -44,7 +44,7 @@ def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks(tmp_path, tiny_model_dir):
                            "trainer.critic_warmup=1", "algorithm.use_kl_in_reward=true",
                            "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01",
                            "algorithm.kl_ctrl.horizon=100")
-    assert "+Ref+Critic" in stdout and "sharded=True" in stdout
+    assert "actor_rollout+ref+critic" in stdout and "sharded=True" in stdout
     warmup, trained = metrics[1], metrics[2]
     for step in (warmup, trained):
         _finite(step, "critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/vpred_mean",
@@ -114,7 +114,7 @@ def test_rloo_kl_in_reward(tmp_path, tiny_model_dir):
     # seq-mean-token-mean: the loss is the mean over responses of -A_i (ratio 1: one epoch, one mini-batch)
     metrics, stdout = _run(tmp_path, tiny_model_dir, "rloo_math", PARITY_REWARD, "algorithm.kl_ctrl.kl_coef=0.05",
                            "actor.optim.lr=1e-4", "actor.loss_agg_mode=seq-mean-token-mean")
-    assert "+Ref" in stdout and "Critic" not in stdout
+    assert "x actor_rollout+ref on nodes" in stdout
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "actor/grad_norm", "reward/kl_penalty", "reward/kl_coef",
                 "rollout/logprob_abs_diff")
@@ -143,7 +143,7 @@ def test_remax_greedy_baseline_no_reference(tmp_path, tiny_model_dir):
     # on-policy update (ratio 1): the loss is the mean over responses of -A_i = -(r_i - b_i)
     metrics, stdout = _run(tmp_path, tiny_model_dir, "grpo_math", "algorithm.adv_estimator=remax",
                            "algorithm.use_kl_loss=false", PARITY_REWARD, "actor.loss_agg_mode=seq-mean-token-mean")
-    assert "+Ref" not in stdout  # no KL anywhere: the reference model is never started
+    assert "x actor_rollout on nodes" in stdout  # no KL anywhere: the reference model is never started
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "reward/greedy_baseline_mean", "timing/rollout_greedy")
         assert 0 <= step["reward/greedy_baseline_mean"] <= 1

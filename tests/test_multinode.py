@@ -112,7 +112,8 @@ def test_disaggregated_and_colocated_on_two_nodes(cluster, tmp_path, tiny_model_
     # Disaggregated: 2 trainer ranks fill node_a, 2 rollout engines fill node_b.
     disagg, seen, result = _train(cluster, tmp_path, tiny_model_dir, "disaggregated", "trainer.placement=disaggregated",
                                   "trainer.devices_per_node=2", "rollout.world_size=2")
-    assert "placement=disaggregated" in result.stdout
+    assert "workers: disaggregated placement; pool actor = 2 x actor_rollout+ref" in result.stdout
+    assert "pool rollout = 2 x rollout" in result.stdout
     logs = result.stdout + result.stderr  # every worker's output reaches the driver, prefixed by group, rank, roles
     # (Ray forwards logs asynchronously: ask for some rank of each group, not for every line.)
     assert re.search(r"WorkerHost\(rollout, rank=[01]/2, roles=\['rollout'\]\)", logs), logs[-3000:]

@@ -51,10 +51,31 @@ class LoraSettings:
     target_modules: str | tuple[str, ...] = "all-linear"  # "all-linear", a regex, or module-name suffixes
     exclude_modules: tuple[str, ...] = ()
     load_in_4bit: bool = False
+    seed: int = 0  # initialises A identically on every rank (each rank keeps its shard of the same A)
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """The DeepSpeed ZeRO engine's own knobs (`workers/engine/deepspeed.py`; config section `deepspeed`).
+
+    Offload is EngineSettings.offload_params / offload_optimizer, as for every engine. Sizes are in
+    elements, as DeepSpeed counts them."""
+
+    zero_stage: int = 2  # 2: optimizer state + gradients sharded; 3: parameters too
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000  # ZeRO-2
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    grad_accum_dtype: str | None = None  # None: DeepSpeed's default for the dtype
 
 
 @dataclass(frozen=True)
@@ -69,9 +90,10 @@ class EngineSettings:
     trust_remote_code: bool = False
     use_remove_padding: str = "auto"  # auto | true | false (packed, padding-free forward)
     sequence_parallel_size: int = 1  # Ulysses
-    offload_params: bool = False  # GPU only
-    offload_optimizer: bool = False  # GPU only
+    offload_params: bool = False  # fsdp: GPU only; deepspeed: ZeRO-3 parameters on CPU
+    offload_optimizer: bool = False  # fsdp: GPU only; deepspeed: ZeRO-Offload (state + step on CPU, CPU Adam)
     optim: OptimSettings | None = None  # None: a frozen model (the reference policy)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)  # strategy=deepspeed only
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: off (full fine-tuning)
 
 
@@ -92,7 +114,7 @@ class PolicyLossSettings:
     """The actor's objective: policy loss (+ KL loss, - entropy bonus)."""
 
     policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float | None = 0.2  # None: no lower bound (CISPO)
     clip_ratio_high: float = 0.2
     clip_ratio_c: float | None = 3.0  # dual clip; None: off
     entropy_coeff: float = 0.0

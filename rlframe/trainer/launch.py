@@ -167,8 +167,8 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
                       reward_model=groups[0].role("reward_model") if "reward_model" in roles else None,
                       placement=describe_placement(plans, groups, chosen))
     info = actor_rollout.describe()[0]
-    print(f"workers: placement={cfg.trainer.placement} "
-          + "; ".join(f"{p['pool']}: {p['world_size']} x {'+'.join(p['roles'])} on nodes {p['nodes']}"
+    print(f"workers: {cfg.trainer.placement} placement; "
+          + "; ".join(f"pool {p['pool']} = {p['world_size']} x {'+'.join(p['roles'])} on nodes {p['nodes']}"
                       for p in workers.placement)
           + f" (engine={info['engine']}, strategy={info['strategy']}, device={info['device']}, dtype={info['dtype']}, "
           f"sharded={info['sharded']}) in {time.perf_counter() - start:.1f}s", flush=True)

@@ -7,9 +7,9 @@ the config itself.
 
 from __future__ import annotations
 
-from rlframe.config import OptimConfig, RLConfig
-from rlframe.workers.settings import (ActorSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
-                                     LoraSettings, OptimSettings, PolicyLossSettings, RefSettings,
+from rlframe.config import OptimConfig, RLConfig, policy_loss_options
+from rlframe.workers.settings import (ActorSettings, CriticSettings, DeepSpeedSettings, DeviceRequest, EngineSettings,
+                                     ForwardSettings, LoraSettings, OptimSettings, PolicyLossSettings, RefSettings,
                                      RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop)
 
 
@@ -29,7 +29,8 @@ def lora_settings(cfg: RLConfig) -> LoraSettings:
     lora = cfg.model.lora
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     return LoraSettings(rank=lora.rank, alpha=float(lora.alpha), dropout=float(lora.dropout), target_modules=targets,
-                        exclude_modules=tuple(lora.exclude_modules), load_in_4bit=lora.load_in_4bit)
+                        exclude_modules=tuple(lora.exclude_modules), load_in_4bit=lora.load_in_4bit,
+                        seed=cfg.trainer.seed)
 
 
 def uses_reference_policy(cfg: RLConfig) -> bool:
@@ -41,6 +42,34 @@ def reference_is_actor(cfg: RLConfig) -> bool:
     return uses_reference_policy(cfg) and cfg.model.lora.rank > 0
 
 
+def deepspeed_settings(cfg: RLConfig) -> DeepSpeedSettings:
+    """The deepspeed section's engine knobs (its offload flags feed engine_offload)."""
+    ds = cfg.deepspeed
+    return DeepSpeedSettings(
+        zero_stage=ds.zero_stage, overlap_comm=ds.overlap_comm, contiguous_gradients=ds.contiguous_gradients,
+        reduce_bucket_size=ds.reduce_bucket_size, allgather_bucket_size=ds.allgather_bucket_size,
+        stage3_prefetch_bucket_size=ds.stage3_prefetch_bucket_size,
+        stage3_param_persistence_threshold=ds.stage3_param_persistence_threshold,
+        stage3_max_live_parameters=ds.stage3_max_live_parameters,
+        stage3_max_reuse_distance=ds.stage3_max_reuse_distance, sub_group_size=ds.sub_group_size,
+        grad_accum_dtype=ds.grad_accum_dtype)
+
+
+def engine_offload(cfg: RLConfig, role: str) -> dict[str, bool]:
+    """offload_params / offload_optimizer of the actor, ref or critic engine.
+
+    The actor: actor.offload_*; under actor.strategy=deepspeed also OpenRLHF's deepspeed.offload /
+    adam_offload, which apply to the critic too. The frozen reference: deepspeed.ref_reward_offload."""
+    ds, actor = cfg.deepspeed, cfg.actor
+    deepspeed = actor.strategy == "deepspeed"
+    if role == "ref":
+        return {"offload_params": deepspeed and ds.ref_reward_offload, "offload_optimizer": False}
+    params, optimizer = deepspeed and ds.offload, deepspeed and ds.adam_offload
+    if role == "actor":
+        params, optimizer = params or actor.offload_params, optimizer or actor.offload_optimizer
+    return {"offload_params": params, "offload_optimizer": optimizer}
+
+
 def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> EngineSettings:
     """The actor's engine (train=True, with its LoRA adapters if any) or the reference policy's
     (frozen, no offload)."""
@@ -50,7 +79,7 @@ def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> En
         gradient_checkpointing=cfg.model.gradient_checkpointing and train,
         trust_remote_code=cfg.model.trust_remote_code, use_remove_padding=str(actor.use_remove_padding),
         sequence_parallel_size=actor.ulysses_sequence_parallel_size,
-        offload_params=actor.offload_params and train, offload_optimizer=actor.offload_optimizer and train,
+        **engine_offload(cfg, "actor" if train else "ref"), deepspeed=deepspeed_settings(cfg),
         optim=optim_settings(actor.optim, cfg) if train else None,
         lora=lora_settings(cfg) if train else LoraSettings())
 
@@ -61,14 +90,17 @@ def actor_update_loop(cfg: RLConfig) -> UpdateLoop:
     return UpdateLoop(mini_batch_size=actor.ppo_mini_batch_size * cfg.rollout.n // actor.world_size,
                       micro_batch_size=actor.ppo_micro_batch_size_per_device,
                       max_tokens_per_micro_batch=actor.ppo_max_token_len_per_device, epochs=actor.ppo_epochs,
-                      shuffle=actor.shuffle, loss_agg_mode=actor.loss_agg_mode)
+                      shuffle=actor.shuffle, loss_agg_mode=policy_loss_options(actor)["loss_agg_mode"])
 
 
 def policy_loss_settings(cfg: RLConfig) -> PolicyLossSettings:
+    """The policy loss with "auto" options resolved to the loss's published defaults."""
     actor, algo = cfg.actor, cfg.algorithm
+    options = policy_loss_options(actor)
     return PolicyLossSettings(
-        policy_loss=actor.policy_loss, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c, entropy_coeff=actor.entropy_coeff, use_kl_loss=algo.use_kl_loss,
+        policy_loss=actor.policy_loss, clip_ratio_low=options["clip_ratio_low"],
+        clip_ratio_high=options["clip_ratio_high"], clip_ratio_c=options["clip_ratio_c"],
+        entropy_coeff=actor.entropy_coeff, use_kl_loss=algo.use_kl_loss,
         kl_loss_coef=algo.kl_loss_coef, kl_loss_type=algo.kl_loss_type,
         custom_loss_path=algo.custom_policy_loss.path, custom_loss_name=algo.custom_policy_loss.name)
 
@@ -118,7 +150,8 @@ def critic_settings(cfg: RLConfig, model_path: str) -> CriticSettings:
     critic, world = cfg.critic, cfg.actor.world_size
     engine = EngineSettings(model_path=model_path, strategy=cfg.actor.strategy, head="value",
                             device=device_request(cfg), gradient_checkpointing=cfg.model.gradient_checkpointing,
-                            trust_remote_code=cfg.model.trust_remote_code,
+                            trust_remote_code=cfg.model.trust_remote_code, deepspeed=deepspeed_settings(cfg),
+                            **engine_offload(cfg, "critic"),
                             optim=optim_settings(critic.optim, cfg, head_lr=critic.head_lr))
     mini = critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
     loop = UpdateLoop(mini_batch_size=mini * cfg.rollout.n // world, micro_batch_size=critic.ppo_micro_batch_size_per_device,

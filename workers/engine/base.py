@@ -10,7 +10,8 @@ LoRA next) offers the roles.
 
 A role never knows which engine it holds beyond `settings.strategy`. The update loop and its loss
 normalisation live here, once, for every engine: an engine supplies `forward_micro` (one
-micro-batch through its model), `backward` and `clip_and_step`.
+micro-batch through its model), `backward` and `clip_norm` (or its own `guarded_step`, as
+DeepSpeed, which owns the optimizer step).
 """
 
 from __future__ import annotations
@@ -230,17 +231,21 @@ class TrainerEngine(ABC):
         if not math.isfinite(grad_norm):
             # Skip the update rather than poison the weights; stop after too many in a row.
             self.optimizer.zero_grad(set_to_none=True)
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= optim.max_consecutive_skips:
-                cause = (f"the loss first went non-finite at {first_bad}" if first_bad else
-                         "the loss stayed finite, so the gradient itself overflowed")
-                raise FloatingPointError(
-                    f"{self.name}: gradient norm was {grad_norm} for {self.consecutive_skips} optimiser steps in a "
-                    f"row (optimiser step {self.optimizer_steps}); in the last one {cause}. "
-                    f"Fix: lower {self.name}.optim.lr or check the data/rewards.")
+            self.count_skipped_step(grad_norm, first_bad)
             return grad_norm
         self.consecutive_skips = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
         return grad_norm
+
+    def count_skipped_step(self, grad_norm: float, first_bad: str | None) -> None:
+        """One more skipped (non-finite) update in a row; too many in a row stop the run."""
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.settings.optim.max_consecutive_skips:
+            cause = (f"the loss first went non-finite at {first_bad}" if first_bad else
+                     "the loss stayed finite, so the gradient itself overflowed")
+            raise FloatingPointError(
+                f"{self.name}: gradient norm was {grad_norm} for {self.consecutive_skips} optimiser steps in a "
+                f"row (optimiser step {self.optimizer_steps}); in the last one {cause}. "
+                f"Fix: lower {self.name}.optim.lr or check the data/rewards.")

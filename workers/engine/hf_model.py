@@ -17,6 +17,7 @@ from torch import nn
 
 from rlframe.device import DeviceProfile
 from rlframe.workers.attention import VARLEN_SDPA, register_varlen_attention
+from rlframe.workers.distributed import world_size
 from rlframe.workers.sequence_parallel import (ULYSSES_SDPA, SequenceParallelGroup, gather_tokens,
                                                register_ulysses_attention, sequence_parallel_forward)
 
@@ -58,8 +59,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def needs_sharding(profile: DeviceProfile) -> bool:
     """FSDP at world size 1 on CPU is the identity plus copies: skip it there."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return dist.is_initialized() and (world > 1 or profile.is_gpu)
+    return dist.is_initialized() and (world_size() > 1 or profile.is_gpu)
 
 
 def shard_model(model: nn.Module, profile: DeviceProfile, *, offload_params: bool = False) -> nn.Module:

@@ -62,7 +62,11 @@ def apply_lora(model: nn.Module, lora: LoraSettings, base_path: str | None = Non
     the rest of each decoder layer."""
     from peft import get_peft_model
 
-    peft_model = get_peft_model(model, peft_lora_config(lora, base_path), autocast_adapter_dtype=True)
+    # Every rank must draw the same A: a rank-seeded RNG would give each rank a different adapter
+    # (sharded: a model that depends on the world size; replicated: diverging replicas).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lora.seed)
+        peft_model = get_peft_model(model, peft_lora_config(lora, base_path), autocast_adapter_dtype=True)
     config = peft_model.peft_config[ADAPTER]
     if base_path is not None:
         config.base_model_name_or_path = base_path
