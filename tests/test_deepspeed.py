@@ -1,0 +1,225 @@
+"""The DeepSpeed ZeRO engine (`actor.strategy=deepspeed`, workers/engine/deepspeed.py) on CPU over gloo.
+
+- the config section: translation into DeepSpeed's config, unknown and unhonoured keys rejected by name;
+- one update at ZeRO-2 and ZeRO-3 equals the FSDP engine's (log-probs, losses, grad norm, weights)
+  with 2 micro-batches on 1 rank and with 2 ranks (our global loss normalisation drives the
+  accumulation, not DeepSpeed's gradient-accumulation count);
+- checkpoints: save, update, load, update again gives the same update; the checkpoint also resumes
+  on the FSDP engine (same layout);
+- DeepSpeedCPUAdam (optimizer offload) steps like torch's AdamW.
+
+The equality runs go through real worker groups (Ray actors with a gloo process group), as in
+tests/test_actor_data_parallel.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlframe.config import ConfigError, RLConfig, validate_config
+from rlframe.device import DeviceProfile
+from rlframe.workers.engine.deepspeed import deepspeed_config
+from rlframe.workers.settings import DeepSpeedSettings
+from test_actor_data_parallel import assert_same_update, synthetic_batch
+
+pytest.importorskip("deepspeed")
+
+CPU = DeviceProfile("cpu", torch.float32, "gloo", "sdpa", "hf", False)
+GPU = DeviceProfile("cuda", torch.bfloat16, "nccl", "flash_attention_2", "vllm", True)
+
+
+# ------------------------------------------------------------------------------------ config
+def test_config_translation_zero2_cpu():
+    config = deepspeed_config(DeepSpeedSettings(zero_stage=2, reduce_bucket_size=1000), CPU, train=True, grad_clip=0.5)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 2 and zero["reduce_bucket_size"] == 1000 and "offload_optimizer" not in zero
+    assert config["managed_gradient_accumulation"] is False  # our loop owns the accumulation boundary
+    assert config["gradient_accumulation_steps"] == 1 and config["gradient_clipping"] == 0.5
+    assert config["bf16"]["enabled"] is False  # fp32 on CPU (the device profile's dtype)
+
+
+def test_config_translation_zero3_offload_gpu():
+    ds = DeepSpeedSettings(zero_stage=3, stage3_prefetch_bucket_size=123)
+    config = deepspeed_config(ds, GPU, train=True, offload_params=True, offload_optimizer=True)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_prefetch_bucket_size"] == 123
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert config["bf16"] == {"enabled": True, "check_grad_overflow": True}
+
+
+def test_config_translation_frozen_reference():
+    # a frozen model has only parameters to shard: ZeRO-3 partitions them, below that no ZeRO at all
+    assert deepspeed_config(DeepSpeedSettings(zero_stage=2), CPU, train=False)["zero_optimization"] == {"stage": 0}
+    frozen3 = deepspeed_config(DeepSpeedSettings(zero_stage=3), CPU, train=False)
+    assert frozen3["zero_optimization"]["stage"] == 3 and "managed_gradient_accumulation" not in frozen3
+    offloaded = deepspeed_config(DeepSpeedSettings(zero_stage=2), GPU, train=False, offload_params=True)
+    assert offloaded["zero_optimization"]["offload_param"]["device"] == "cpu"  # OpenRLHF's ref_reward_offload
+
+
+def test_openrlhf_keys_reach_the_engine_settings(tiny_model_dir):
+    from rlframe.main import compose_config
+    from rlframe.trainer.worker_settings import actor_settings, critic_settings, ref_settings
+
+    cfg = compose_config(["recipe=grpo_math_deepspeed", f"model.path={tiny_model_dir}", "deepspeed.zero_stage=3",
+                          "deepspeed.adam_offload=true", "deepspeed.offload=true", "deepspeed.ref_reward_offload=true",
+                          "deepspeed.reduce_bucket_size=1234"])
+    actor = actor_settings(cfg, str(tiny_model_dir)).engine
+    assert actor.strategy == "deepspeed" and actor.deepspeed.zero_stage == 3
+    assert actor.deepspeed.reduce_bucket_size == 1234
+    assert actor.offload_optimizer and actor.offload_params
+    ref = ref_settings(cfg, str(tiny_model_dir)).engine
+    assert ref.strategy == "deepspeed" and ref.offload_params and not ref.offload_optimizer
+    critic = critic_settings(cfg, str(tiny_model_dir)).engine
+    assert critic.strategy == "deepspeed" and critic.offload_optimizer
+
+
+def test_unknown_deepspeed_key_is_named(tiny_model_dir):
+    from rlframe.main import UsageError, compose_config
+
+    with pytest.raises(UsageError, match="zero_stagee"):
+        compose_config(["recipe=grpo_math_deepspeed", f"model.path={tiny_model_dir}", "deepspeed.zero_stagee=3"])
+
+
+def deepspeed_cfg(model_dir, **deepspeed) -> RLConfig:
+    cfg = RLConfig()
+    cfg.model.path = str(model_dir)
+    cfg.actor.strategy = "deepspeed"
+    for key, value in deepspeed.items():
+        setattr(cfg.deepspeed, key, value)
+    return cfg
+
+
+def problems(cfg: RLConfig) -> str:
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    return str(error.value)
+
+
+def test_validation_rejects_what_the_engine_does_not_honour(tiny_model_dir):
+    validate_config(deepspeed_cfg(tiny_model_dir, zero_stage=3, offload=True))  # fine
+    message = problems(deepspeed_cfg(tiny_model_dir, zero_stage=1, zpg=2, deepspeed_enable_sleep=True))
+    assert "deepspeed.zero_stage: 1 is not supported" in message and "Fix: deepspeed.zero_stage=2 or 3" in message
+    assert "deepspeed.zpg: ZeRO++ hierarchical partitioning is not implemented" in message
+    assert "deepspeed.deepspeed_enable_sleep:" in message
+    assert "deepspeed.offload: parameter offload needs" in problems(deepspeed_cfg(tiny_model_dir, offload=True))
+    cfg = deepspeed_cfg(tiny_model_dir)
+    cfg.actor.ulysses_sequence_parallel_size, cfg.actor.world_size = 2, 2
+    assert "actor.ulysses_sequence_parallel_size: Ulysses" in problems(cfg)
+
+
+def test_optimizer_offload_without_its_extension_is_a_config_error(tiny_model_dir, tmp_path, monkeypatch):
+    # No compiled cpu_adam in this (empty) extensions folder and no compiler to build one.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "no_ops"))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    message = problems(deepspeed_cfg(tiny_model_dir, adam_offload=True))
+    assert "deepspeed.adam_offload: optimizer offload steps with DeepSpeedCPUAdam" in message
+    assert "no C++ compiler ('/nonexistent/c++')" in message and "Fix:" in message
+
+
+# ------------------------------------------------------------------------------------ CPU Adam
+def test_cpu_adam_steps_like_torch_adamw():
+    from rlframe.workers.engine.deepspeed import CPU_ADAM_OP, build_ops
+
+    build_ops([CPU_ADAM_OP])  # (compiled once per machine, under a file lock)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(300, 70, generator=g), torch.randn(513, generator=g)]
+    ours = [torch.nn.Parameter(p.clone()) for p in start]
+    theirs = [torch.nn.Parameter(p.clone()) for p in start]
+    kwargs = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    cpu_adam = DeepSpeedCPUAdam(ours, adamw_mode=True, **kwargs)
+    adamw = torch.optim.AdamW(theirs, **kwargs)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=g) for p in start]
+        for params, optimizer in ((ours, cpu_adam), (theirs, adamw)):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            optimizer.step()
+    for a, b in zip(ours, theirs):
+        assert not torch.equal(a.detach(), start[0] if a.shape == start[0].shape else start[1])
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ equality
+def actor_config(model_dir, world_size: int, micro: int, strategy: str = "deepspeed", packed: str = "false",
+                 gradient_checkpointing: bool = False, **deepspeed) -> RLConfig:
+    """The update of tests/test_actor_data_parallel.py: 8 sequences, one optimiser step, KL loss."""
+    cfg = RLConfig()
+    cfg.rollout.engine = "hf"
+    cfg.rollout.n = 2
+    cfg.actor.strategy = strategy
+    cfg.actor.world_size = world_size
+    cfg.actor.ppo_mini_batch_size = 4  # x n=2 -> 8 sequences: the whole batch, one optimiser step
+    cfg.actor.ppo_micro_batch_size_per_device = micro
+    cfg.actor.optim.lr = 1e-3
+    cfg.actor.shuffle = False
+    cfg.actor.use_remove_padding = packed
+    cfg.algorithm.kl_loss_coef = 0.1
+    cfg.model.gradient_checkpointing = gradient_checkpointing
+    for key, value in deepspeed.items():
+        setattr(cfg.deepspeed, key, value)
+    return cfg
+
+
+def start_actor(cfg: RLConfig, model_dir):
+    from rlframe.controller import ResourcePool, WorkerGroup
+    from rlframe.trainer.worker_settings import actor_settings
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
+
+    settings = dataclasses.replace(actor_settings(cfg, str(model_dir)), rollout=None)  # no rollout engine needed
+    pool = ResourcePool([cfg.actor.world_size], cpus_per_bundle=1, name=f"ds{cfg.actor.world_size}")
+    group = WorkerGroup(pool, {"actor_rollout": (ActorRolloutWorker, {"settings": settings})}, default_timeout_s=300)
+    return pool, group, group.role("actor_rollout")
+
+
+def update_once(cfg: RLConfig, model_dir, out_dir):
+    """(metrics, saved weights, log-probs) of compute_log_prob + one update_actor in a worker group."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    batch = synthetic_batch(AutoConfig.from_pretrained(model_dir).vocab_size)
+    pool, group, actor = start_actor(cfg, model_dir)
+    try:
+        log_probs = actor.compute_log_prob(batch).batch["old_log_probs"] * batch.batch["response_mask"]
+        metrics = actor.update_actor(batch).meta_info["metrics"]
+        actor.save_hf(str(out_dir))
+    finally:
+        group.shutdown()
+        pool.remove()
+    return metrics, load_file(str(out_dir / "model.safetensors")), log_probs
+
+
+def fsdp_reference(model_dir, tmp_path):
+    """The FSDP engine as a plain object in this process (world size 1, one micro-batch, padded)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from rlframe.trainer.worker_settings import actor_settings
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
+
+    cfg = actor_config(model_dir, world_size=1, micro=8, strategy="fsdp")
+    actor = ActorRolloutWorker(dataclasses.replace(actor_settings(cfg, str(model_dir)), rollout=None))
+    batch = synthetic_batch(AutoConfig.from_pretrained(model_dir).vocab_size)
+    log_probs = actor.compute_log_prob(batch).batch["old_log_probs"] * batch.batch["response_mask"]
+    metrics = actor.update_actor(batch).meta_info["metrics"]
+    actor.save_hf(str(tmp_path / "fsdp"))
+    return metrics, load_file(str(tmp_path / "fsdp" / "model.safetensors")), log_probs
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_update_equals_fsdp_at_1_and_2_ranks(ray_session, tiny_model_dir, tmp_path, zero_stage):
+    reference = fsdp_reference(tiny_model_dir, tmp_path)
+    # 1 rank, 2 micro-batches (padded rows)
+    one_rank = update_once(actor_config(tiny_model_dir, world_size=1, micro=4, zero_stage=zero_stage),
+                           tiny_model_dir, tmp_path / "ws1")
+    assert_same_update(reference, one_rank)
+    # 2 ranks x 2 micro-batches, packed rows (VARLEN_SDPA) and gradient checkpointing
+    two_ranks = update_once(actor_config(tiny_model_dir, world_size=2, micro=2, packed="true",
+                                         gradient_checkpointing=True, zero_stage=zero_stage),
+                            tiny_model_dir, tmp_path / "ws2")
+    assert_same_update(reference, two_ranks)
