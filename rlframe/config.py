@@ -53,15 +53,20 @@ class ArithmeticDataConfig:
 @dataclass
 class DataConfig:
     source: str = "arithmetic"  # arithmetic (generated) | files
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)
+    # A file, a list of files, `~` and globs (parquet, jsonl, json, csv, arrow, datasets folders, hub
+    # ids name@split); giving train_files implies source=files (rlframe/data/files.py).
+    train_files: Any = field(default_factory=list)
+    val_files: Any = field(default_factory=list)
     arithmetic: ArithmeticDataConfig = field(default_factory=ArithmeticDataConfig)
     prompt_key: str = "prompt"
     answer_key: Optional[str] = None
     max_prompt_length: int = 128
     max_response_length: int = 64
     train_batch_size: int = 8  # prompts per step
-    val_max_samples: int = 64
+    val_max_samples: Optional[int] = None  # null: the whole validation set; N: its first N rows
+    # A Jinja template for the user message (EasyR1's format_prompt): `{{ content }}` (also
+    # `{{ prompt }}`, `{{ question }}`) is the prompt text; a file path or the template text itself.
+    prompt_template: Optional[str] = None
     overlong: str = "filter"  # filter | error | truncate_left
     bad_rows: str = "error"  # error | skip
     shuffle: bool = True
@@ -192,6 +197,28 @@ class CriticConfig:
 
 
 @dataclass
+class ToolConfig:
+    path: str = "tools/calculator.py"  # a Python file defining the function and TOOL_SCHEMAS[name]
+    name: str = "calculator"
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (workers/rollout/agent_loop.py): model turns alternate with tool
+    turns until an answer (a turn without a tool call), `max_turns` model turns, or the response budget
+    (data.max_response_length, model + tool tokens). Tool tokens are context, never trained on."""
+
+    enable: bool = False
+    tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig()])
+    max_turns: int = 3
+    max_tool_response_tokens: int = 64  # an observation is cut to this many tokens
+    tool_timeout_s: float = 5.0  # a call that takes longer becomes a timeout error the model sees
+    format: str = "hermes"  # tool-call parser: hermes (<tool_call>{json}</tool_call>) | tag (<name>text</name>)
+    tool_prompt: bool = True  # a system message describing the tools, in front of each prompt
+    tool_prompt_tokens: int = 256  # room for it in the engine's max_model_len
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "auto"  # auto (vllm when installed, else hf) | vllm | hf
     n: int = 4
@@ -210,6 +237,7 @@ class RolloutConfig:
     # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.
     world_size: Optional[int] = None
     weight_bucket_mb: int = 64  # bucket size of that broadcast
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -218,6 +246,9 @@ class RewardFunctionConfig:
     name: str = "compute_score"
     weight: float = 1.0
     data_sources: Optional[list[str]] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the function (verl reward_kwargs)
+    # sample | sequential (per sample) | batch (EasyR1); null: from the file's REWARD_TYPE, else by signature
+    reward_type: Optional[str] = None
 
 
 @dataclass
@@ -264,6 +295,9 @@ class RuntimeEnvConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 20
+    # Passes over the training data (verl/EasyR1 total_epochs); set, it replaces total_steps with
+    # total_epochs x (training rows // data.train_batch_size).
+    total_epochs: Optional[int] = None
     run_dir: Optional[str] = None  # default: runs/<experiment_name>-<timestamp>
     project_name: str = "rlframe"
     experiment_name: str = "grpo_math"
@@ -445,16 +479,23 @@ def validate_config(cfg: RLConfig) -> None:
     need(data.source in ("arithmetic", "files"), "data.source", f"'{data.source}' is not arithmetic or files")
     if data.source == "files":
         need(bool(data.train_files), "data.train_files", "data.source=files needs at least one train file")
-        for f in list(data.train_files) + list(data.val_files):
-            need(Path(f).exists(), "data.train_files/val_files",
+        from rlframe.data.files import is_hub_id, resolve_data_files
+
+        for f in resolve_data_files(data.train_files) + resolve_data_files(data.val_files):
+            need(Path(f).exists() or is_hub_id(f), "data.train_files/val_files",
                  f"'{f}' does not exist. Fix: create it (e.g. python examples/data_preprocess/gsm8k.py "
-                 "--input_dir ../shared/data/gsm8k --output_dir data/gsm8k) or point the key at your file")
+                 "--local_dir ~/data/gsm8k) or point the key at your file")
+    need(data.val_max_samples is None or data.val_max_samples >= 1, "data.val_max_samples",
+         "must be >= 1, or null for the whole validation set")
+    need(cfg.trainer.total_epochs is None or cfg.trainer.total_epochs >= 1, "trainer.total_epochs",
+         "must be >= 1, or null to run trainer.total_steps steps")
     need(cfg.trainer.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     need(cfg.trainer.device in ("auto", "cpu", "cuda"), "trainer.device", "must be auto, cpu or cuda")
     if cfg.reward_model.enable:
         need(bool(cfg.reward_model.path) and is_resolvable(cfg.reward_model.path), "reward_model.path",
              f"'{cfg.reward_model.path}' is not a model folder or hub id. Fix: reward_model.path=/path/to/rm")
     _validate_reward_functions(cfg, need)
+    _validate_multi_turn(cfg, need)
     trainer = cfg.trainer
     need(trainer.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = no checkpoints)")
     need(trainer.max_checkpoints_to_keep >= 0, "trainer.max_checkpoints_to_keep", "must be >= 0 (0 = keep all)")
@@ -605,6 +646,28 @@ def _local_model_dir(path: str) -> str | None:
     else:
         folder = Path(path).expanduser()
     return str(folder) if (folder / "config.json").is_file() else None
+
+
+def _validate_multi_turn(cfg: RLConfig, need) -> None:
+    """Limits, parser and every tool file / function / schema (imported here, before any worker)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    from rlframe.workers.rollout.tools import TOOL_CALL_PARSERS, ToolLoadError, load_tool
+
+    need(mt.max_turns >= 1, "rollout.multi_turn.max_turns", "must be >= 1")
+    need(mt.max_tool_response_tokens >= 1, "rollout.multi_turn.max_tool_response_tokens", "must be >= 1")
+    need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0")
+    need(mt.tool_prompt_tokens >= 0, "rollout.multi_turn.tool_prompt_tokens", "must be >= 0")
+    need(mt.format in TOOL_CALL_PARSERS, "rollout.multi_turn.format",
+         f"'{mt.format}' is not one of {', '.join(TOOL_CALL_PARSERS)}")
+    need(bool(mt.tools), "rollout.multi_turn.tools",
+         "no tool. Fix: rollout.multi_turn.tools=[{path: tools/calculator.py, name: calculator}]")
+    for i, tool in enumerate(mt.tools):
+        try:
+            load_tool(tool.path, tool.name)
+        except ToolLoadError as error:
+            need(False, f"rollout.multi_turn.tools[{i}]", str(error))
 
 
 def _validate_reward_functions(cfg: RLConfig, need) -> None:

@@ -53,8 +53,16 @@ def compose_config(argv: list[str]) -> RLConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from rlframe.compat import CompatError, translate_overrides
+
     recipe_args = [a for a in argv if a.startswith("recipe=")]
     overrides = [a for a in argv if not a.startswith("recipe=")]
+    try:  # verl / EasyR1 keys -> ours (one notice each); unknown keys -> the closest of ours
+        overrides, notices = translate_overrides(overrides)
+    except CompatError as err:
+        raise UsageError(str(err)) from None
+    for notice in notices:
+        print(f"note: {notice}", flush=True)
     recipe = recipe_args[-1].split("=", 1)[1] if recipe_args else "grpo_math"
     recipe_path = Path(recipe) if recipe.endswith((".yaml", ".yml")) else RECIPES_DIR / f"{recipe}.yaml"
     if not recipe_path.exists():
@@ -74,6 +82,17 @@ def compose_config(argv: list[str]) -> RLConfig:
         raise UsageError(f"in recipe '{recipe}' or its overrides: {err}\n"
                          "Fix: check the key names against rlframe/config.py (e.g. actor.optim.lr=1e-6).") from None
     cfg: RLConfig = OmegaConf.to_object(merged)
+    from rlframe.data.files import resolve_data_files
+
+    # data.train_files / val_files: a string or a list, `~` and globs; giving files implies source=files.
+    cfg.data.train_files = resolve_data_files(cfg.data.train_files)
+    cfg.data.val_files = resolve_data_files(cfg.data.val_files)
+    if cfg.data.train_files and cfg.data.source == "arithmetic":
+        if any(a.startswith("data.source=") for a in overrides):
+            raise UsageError("data.source=arithmetic together with data.train_files: pick one. "
+                             "Fix: drop data.train_files, or data.source=files")
+        print("note: data.train_files given -> data.source=files", flush=True)
+        cfg.data.source = "files"
     # Reward scripts named relative to the repository (reward_fns/...) work from any directory,
     # and from an installed wheel (which ships reward_fns/ inside the package).
     for fn in cfg.reward.functions:

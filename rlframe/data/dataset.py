@@ -45,8 +45,13 @@ class DatasetError(ValueError):
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Read every row of a parquet / jsonl file or a ``datasets`` folder as plain dicts."""
-    path = Path(path)
+    """Read every row of a parquet / jsonl / json / csv / arrow file, a ``datasets`` folder or a hub
+    dataset (``name@split``) as plain dicts."""
+    from rlframe.data.files import is_hub_id, read_hub_rows, read_with_datasets
+
+    if not Path(path).expanduser().exists() and is_hub_id(str(path)):
+        return read_hub_rows(str(path))
+    path = Path(path).expanduser()
     if not path.exists():
         raise DatasetError(f"data file not found: {path}")
     if path.is_dir():
@@ -66,6 +71,8 @@ def read_rows(path: str | Path) -> list[dict]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
+    if suffix in (".csv", ".arrow") or (suffix == ".json" and _starts_with_bracket(path)):
+        return read_with_datasets(path)
     if suffix in (".jsonl", ".json"):
         rows = []
         # Undecodable bytes become lone surrogates here and are reported per row and field by
@@ -83,8 +90,14 @@ def read_rows(path: str | Path) -> list[dict]:
                                        f"{type(row).__name__}")
                 rows.append(row)
         return rows
-    raise DatasetError(f"{path}: unsupported data file type {suffix!r}; use .parquet, .jsonl or a "
-                       f"datasets save_to_disk folder")
+    raise DatasetError(f"{path}: unsupported data file type {suffix!r}; use .parquet, .jsonl, .json, .csv, "
+                       f".arrow, a datasets save_to_disk folder or a hub id name@split")
+
+
+def _starts_with_bracket(path: Path) -> bool:
+    """A .json file holding one JSON array (rather than one object per line)."""
+    with open(path, "rb") as f:
+        return f.read(4096).lstrip()[:1] == b"["
 
 
 # ------------------------------------------------------------------ checking rows
@@ -222,11 +235,16 @@ class RLDataset:
             return None
         import jinja2
 
-        template_path = Path(path)
-        if not template_path.is_file():
-            raise DatasetError(f"prompt_template file not found: {path}")
-        return jinja2.Environment(undefined=jinja2.StrictUndefined,
-                                  keep_trailing_newline=False).from_string(template_path.read_text())
+        # A file (EasyR1's format_prompt: a .jinja file) or the template text itself ("{{ content }} ...").
+        template_path = Path(path).expanduser()
+        if "{{" in path:
+            text = path
+        elif template_path.is_file():
+            text = template_path.read_text()
+        else:
+            raise DatasetError(f"prompt_template file not found: {path} (data.prompt_template takes a Jinja file "
+                               "or the template text, e.g. '{{ content }} Put the answer in \\boxed{}.')")
+        return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False).from_string(text)
 
     def _load_file(self, path: str) -> list[dict]:
         raw_rows = read_rows(path)
@@ -280,7 +298,7 @@ class RLDataset:
             content = prompt
             if self._template is not None:
                 try:
-                    content = self._template.render(prompt=prompt, question=prompt, row=row)
+                    content = self._template.render(content=prompt, prompt=prompt, question=prompt, row=row)
                 except Exception as exc:
                     raise _BadRow(self.prompt_key, f"prompt_template failed: {exc}") from None
             messages = [{"role": "user", "content": content}]
@@ -295,8 +313,8 @@ class RLDataset:
             ground_truth = ground_truth.tolist()
         if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
             raise _BadRow(answer_field, "empty")
-        if not isinstance(ground_truth, (str, int, float, list)) or isinstance(ground_truth, bool):
-            raise _BadRow(answer_field, f"expected a string, number or list, got "
+        if not isinstance(ground_truth, (str, int, float, list, dict)) or isinstance(ground_truth, bool):
+            raise _BadRow(answer_field, f"expected a string, number, list or dict, got "
                                         f"{type(ground_truth).__name__}")
 
         data_source = row.get("data_source")

@@ -90,7 +90,9 @@ def log_once(message: str) -> None:
 def place_scores_on_last_token(scores: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
     """An outcome reward becomes a token-level reward on the last generated token."""
     token_scores = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    # the last trained token (with multi-turn tool tokens the mask has holes: not mask.sum() - 1)
+    positions = torch.arange(response_mask.size(-1), device=response_mask.device)
+    last = (positions * (response_mask > 0)).max(dim=-1).values
     token_scores[torch.arange(len(last)), last] = torch.as_tensor(scores, dtype=torch.float32)
     return token_scores * (response_mask.sum(-1, keepdim=True) > 0)
 
@@ -104,9 +106,12 @@ class RLTrainer:
         self.run_dir = run_dir
         self.phase_times: dict[str, float] = {}
         data = cfg.data
-        dataset_kwargs = dict(prompt_key=data.prompt_key, answer_key=data.answer_key,
+        dataset_kwargs = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, prompt_template=data.prompt_template,
                               max_prompt_length=data.max_prompt_length, overlong=data.overlong, bad_rows=data.bad_rows)
         self.train_set = RLDataset(train_files, tokenizer, **dataset_kwargs)
+        if cfg.trainer.total_epochs:  # epochs (verl/EasyR1) -> steps, from the dataset's size
+            cfg.trainer.total_steps = cfg.trainer.total_epochs * max(1, len(self.train_set) // data.train_batch_size)
+            logger.info("trainer.total_epochs=%d: %d steps", cfg.trainer.total_epochs, cfg.trainer.total_steps)
         self.val_set = RLDataset(val_files, tokenizer, **dataset_kwargs) if val_files else None
         self.sampler = StatefulSampler(len(self.train_set), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
         self.batches = self.sampler.forever()
@@ -296,6 +301,11 @@ class RLTrainer:
         with self.timed("reward"):
             batch, reward_metrics = self.score(batch)
         reward_metrics.update(algorithm_steps.shape_overlong(batch, cfg))
+        if cfg.rollout.multi_turn.enable:
+            from rlframe.workers.rollout.agent_loop import agent_metrics
+
+            reward_metrics.update(agent_metrics(batch.non_tensor_batch, batch.batch["response_mask"],
+                                                batch.batch["attention_mask"]))
         if baseline is not None:
             batch.batch["baseline_rewards"] = baseline.repeat_interleave(cfg.rollout.n)
             reward_metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
@@ -323,7 +333,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ rewards
     def decode_responses(self, batch: DataProto) -> list[str]:
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
-        lengths = mask.sum(-1).long().tolist()
+        # up to the last trained token: multi-turn responses hold tool tokens (mask 0) between model turns
+        positions = torch.arange(mask.size(-1))
+        lengths = ((positions + 1) * (mask > 0)).max(dim=-1).values.tolist()
         return self.tokenizer.batch_decode([r[:n].tolist() for r, n in zip(responses, lengths)],
                                            skip_special_tokens=True)
 
@@ -359,7 +371,7 @@ class RLTrainer:
         uses (+ reward_model.weight * RM score + overlong shaping); val/accuracy: see reported_accuracy.
         """
         start = time.perf_counter()
-        n = min(len(self.val_set), self.cfg.data.val_max_samples)
+        n = min(len(self.val_set), self.cfg.data.val_max_samples or len(self.val_set))
         batch = collate_prompts([self.val_set[i] for i in range(n)], self.pad_token_id)
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         prompts.meta_info["validate"] = True
