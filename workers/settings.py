@@ -147,6 +147,18 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class MultiTurnSettings:
+    """Multi-turn rollouts with tools (workers/rollout/agent_loop.py); `tools`: (path, function name) pairs."""
+
+    tools: tuple[tuple[str, str], ...] = ()
+    max_turns: int = 3
+    max_tool_response_tokens: int = 64
+    tool_timeout_s: float = 5.0
+    format: str = "hermes"
+    tool_prompt: bool = True
+
+
+@dataclass(frozen=True)
 class RolloutSettings:
     """The rollout engine (`workers/rollout/`) and how it samples for training, validation, baselines."""
 
@@ -167,6 +179,7 @@ class RolloutSettings:
     # Adapter-only weight sync (model.lora.weight_sync=adapter): the engine applies these adapters
     # itself and receives only their tensors after each update. None: it receives full weights.
     lora: LoraSettings | None = None
+    multi_turn: MultiTurnSettings | None = None  # None: one completion per prompt
 
     def greedy(self) -> SamplingSettings:
         """One greedy sample (ReMax's baseline)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 from rlframe.config import OptimConfig, RLConfig, policy_loss_options
 from rlframe.workers.settings import (ActorSettings, CriticSettings, DeepSpeedSettings, DeviceRequest, EngineSettings,
                                      ForwardSettings, LoraSettings, OptimSettings, PolicyLossSettings, RefSettings,
-                                     RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop)
+                                     RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop,
+                                     MultiTurnSettings)
 
 
 def device_request(cfg: RLConfig) -> DeviceRequest:
@@ -125,12 +126,23 @@ def rollout_settings(cfg: RLConfig, model_path: str) -> RolloutSettings:
     train, validation = sampling_settings(cfg)
     return RolloutSettings(
         model_path=model_path, device=device_request(cfg), trust_remote_code=cfg.model.trust_remote_code,
-        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length, train=train, validation=validation,
+        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length
+        + (rollout.multi_turn.tool_prompt_tokens if rollout.multi_turn.enable else 0), train=train, validation=validation,
         seed=cfg.trainer.seed, gpu_memory_utilization=rollout.gpu_memory_utilization,
         cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, enable_prefix_caching=rollout.enable_prefix_caching,
         enable_chunked_prefill=rollout.enable_chunked_prefill, max_num_batched_tokens=rollout.max_num_batched_tokens,
         enable_sleep_mode=rollout.enable_sleep_mode, enforce_eager=rollout.enforce_eager,
-        lora=lora_settings(cfg) if cfg.model.lora.rank > 0 and cfg.model.lora.weight_sync == "adapter" else None)
+        lora=lora_settings(cfg) if cfg.model.lora.rank > 0 and cfg.model.lora.weight_sync == "adapter" else None,
+        multi_turn=multi_turn_settings(cfg))
+
+
+def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    return MultiTurnSettings(tools=tuple((t.path, t.name) for t in mt.tools), max_turns=mt.max_turns,
+                             max_tool_response_tokens=mt.max_tool_response_tokens, tool_timeout_s=mt.tool_timeout_s,
+                             format=mt.format, tool_prompt=mt.tool_prompt)
 
 
 def actor_settings(cfg: RLConfig, model_path: str, *, with_rollout: bool = True) -> ActorSettings:
