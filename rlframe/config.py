@@ -211,9 +211,11 @@ class MultiTurnConfig:
     enable: bool = False
     tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig()])
     max_turns: int = 3
+    max_tokens_per_turn: int = 0  # a model turn's cap (0: the remaining budget); a cut turn is still parsed
     max_tool_response_tokens: int = 64  # an observation is cut to this many tokens
     tool_timeout_s: float = 5.0  # a call that takes longer becomes a timeout error the model sees
     format: str = "hermes"  # tool-call parser: hermes (<tool_call>{json}</tool_call>) | tag (<name>text</name>)
+    #                         | path/to/parser.py:function (text, tools) -> list[ToolCall]
     tool_prompt: bool = True  # a system message describing the tools, in front of each prompt
     tool_prompt_tokens: int = 256  # room for it in the engine's max_model_len
 
@@ -653,14 +655,17 @@ def _validate_multi_turn(cfg: RLConfig, need) -> None:
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return
-    from rlframe.workers.rollout.tools import TOOL_CALL_PARSERS, ToolLoadError, load_tool
+    from rlframe.workers.rollout.tools import ToolLoadError, get_parser, load_tool
 
     need(mt.max_turns >= 1, "rollout.multi_turn.max_turns", "must be >= 1")
+    need(mt.max_tokens_per_turn >= 0, "rollout.multi_turn.max_tokens_per_turn", "must be >= 0 (0 = no cap)")
     need(mt.max_tool_response_tokens >= 1, "rollout.multi_turn.max_tool_response_tokens", "must be >= 1")
     need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0")
     need(mt.tool_prompt_tokens >= 0, "rollout.multi_turn.tool_prompt_tokens", "must be >= 0")
-    need(mt.format in TOOL_CALL_PARSERS, "rollout.multi_turn.format",
-         f"'{mt.format}' is not one of {', '.join(TOOL_CALL_PARSERS)}")
+    try:
+        get_parser(mt.format)
+    except ToolLoadError as error:
+        need(False, "rollout.multi_turn.format", str(error))
     need(bool(mt.tools), "rollout.multi_turn.tools",
          "no tool. Fix: rollout.multi_turn.tools=[{path: tools/calculator.py, name: calculator}]")
     for i, tool in enumerate(mt.tools):
@@ -676,13 +681,17 @@ def _validate_reward_functions(cfg: RLConfig, need) -> None:
     from rlframe.reward.manager import RewardSpec, validate_reward_specs
 
     need(bool(cfg.reward.functions), "reward.functions", "no reward function. Fix: reward.functions=[{path: reward_fns/math.py}]")
+    from rlframe.reward.loader import split_path_name
+
     for i, fn in enumerate(cfg.reward.functions):
+        fn.path, fn.name = split_path_name(fn.path, fn.name)  # EasyR1's file.py:function
         if not Path(fn.path).exists():
             need(False, f"reward.functions[{i}].path",
                  f"'{fn.path}' does not exist. Fix: point it at your reward script (e.g. reward_fns/math.py).")
             continue
         try:
-            validate_reward_specs([RewardSpec(path=fn.path, name=fn.name, weight=fn.weight, data_sources=fn.data_sources)])
+            validate_reward_specs([RewardSpec(path=fn.path, name=fn.name, weight=fn.weight, data_sources=fn.data_sources,
+                                              kwargs=dict(fn.kwargs), reward_type=fn.reward_type)])
         except (RewardLoadError, ValueError) as error:
             need(False, f"reward.functions[{i}]", str(error))
 

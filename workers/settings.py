@@ -152,6 +152,7 @@ class MultiTurnSettings:
 
     tools: tuple[tuple[str, str], ...] = ()
     max_turns: int = 3
+    max_tokens_per_turn: int = 0  # 0: a turn may use the whole remaining budget
     max_tool_response_tokens: int = 64
     tool_timeout_s: float = 5.0
     format: str = "hermes"

@@ -141,6 +141,7 @@ def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:
     if not mt.enable:
         return None
     return MultiTurnSettings(tools=tuple((t.path, t.name) for t in mt.tools), max_turns=mt.max_turns,
+                             max_tokens_per_turn=mt.max_tokens_per_turn,
                              max_tool_response_tokens=mt.max_tool_response_tokens, tool_timeout_s=mt.tool_timeout_s,
                              format=mt.format, tool_prompt=mt.tool_prompt)
 

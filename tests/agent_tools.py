@@ -1,0 +1,42 @@
+"""Tools and a tool-call parser for the agent-loop tests (written the way a user writes a tool file)."""
+
+import time
+
+from rlframe.workers.rollout.tools import ToolCall
+
+
+def _schema(name, param):
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": {
+        "type": "object", "properties": {param: {"type": "string"}}, "required": [param]}}}
+
+
+TOOL_SCHEMAS = {"echo": _schema("echo", "text"), "boom": _schema("boom", "text"), "hang": _schema("hang", "text"),
+                "slow": _schema("slow", "text"), "bad_schema": {"type": "function", "function": {
+                    "name": "bad_schema", "parameters": {"type": "object", "properties": {"x": {"type": 12}}}}}}
+
+
+def echo(text: str) -> str:
+    return f"echo:{text}"
+
+
+def boom(text: str) -> str:
+    raise RuntimeError("the tool broke")
+
+
+def hang(text: str) -> str:
+    time.sleep(30)
+    return "never"
+
+
+def slow(text: str) -> str:
+    time.sleep(1.5)
+    return "slow done"
+
+
+def bad_schema(x: str) -> str:
+    return x
+
+
+def every_turn(text, tools):
+    """Every model turn calls `echo` (so a random-init model produces multi-turn trajectories)."""
+    return [ToolCall(name="echo", arguments={"text": "x"})]

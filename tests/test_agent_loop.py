@@ -1,0 +1,246 @@
+"""The multi-turn agent loop (workers/rollout/agent_loop.py): token layout, masks, limits, tool failures,
+concurrency (scripted engine double: the loop itself is real), the real HF engine on the tiny model,
+config validation, and a 2-step end-to-end run whose trainer log-probs match the engine's."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers_tokenizer import build_tokenizer
+from rlframe.protocol import DataProto
+from rlframe.workers.rollout.agent_loop import END_ANSWER, END_BUDGET, END_TURN_LIMIT, AgentLoop, ObservationRenderer, agent_metrics
+from rlframe.workers.rollout.base import build_rollout_batch, unpadded_prompts
+from rlframe.workers.rollout.tools import ToolLoadError, load_tool, parse_hermes
+from rlframe.workers.settings import MultiTurnSettings, SamplingSettings
+
+TESTS = Path(__file__).parent
+TOOLS = str(TESTS / "agent_tools.py")
+CALC = str(TESTS.parent / "tools" / "calculator.py")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+class ScriptedEngine:
+    """A rollout-engine double: each prompt (keyed by its first 3 tokens) has a list of turns; turn k is
+    returned when the sequence already holds k observations. Log-prob of every emitted token: -0.5.
+    Records (time, keys) of every generate call."""
+
+    def __init__(self, tok, scripts: dict[tuple, list[list[int]]], delay_s: float = 0.0):
+        self.tok, self.scripts, self.delay_s = tok, scripts, delay_s
+        self.eos_token_ids, self.pad_token_id = [tok.eos_token_id], tok.pad_token_id
+        self.calls, self.base = [], {}
+
+    def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:
+        time.sleep(self.delay_s)
+        sequences = unpadded_prompts(prompts)
+        keys = [tuple(s[:3]) for s in sequences]
+        self.calls.append((time.monotonic(), keys))
+        out = []
+        start = self.tok.convert_tokens_to_ids("<|im_start|>")
+        for seq, key in zip(sequences, keys):
+            # each observation adds two messages (tool, assistant header): count them past the prompt's own
+            base = self.base.setdefault(key, seq.count(start))
+            turn = (seq.count(start) - base) // 2
+            out.append(self.scripts[key][turn][: sampling.max_new_tokens])
+        return build_rollout_batch(prompts, out, [[-0.5] * len(t) for t in out], sampling.max_new_tokens,
+                                   self.pad_token_id)
+
+
+def ids(tok, text: str, eos: bool = True) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if eos else [])
+
+
+def prompt_batch(tok, prompts: list[list[int]]) -> DataProto:
+    from rlframe.workers.rollout.agent_loop import left_padded
+
+    return left_padded(prompts, tok.pad_token_id)
+
+
+def make_loop(engine, tok, tool_names=("echo",), path=TOOLS, **settings) -> AgentLoop:
+    settings.setdefault("tool_prompt", False)
+    mt = MultiTurnSettings(tools=tuple((path, n) for n in tool_names), **settings)
+    return AgentLoop(engine, mt, tok)
+
+
+SAMPLING = SamplingSettings(max_new_tokens=128, temperature=1.0)
+
+
+def test_three_turn_trajectory_layout_and_mask(tok):
+    prompt = ids(tok, "<|im_start|>user\nWhat is 2+3 times 4?", eos=False)
+    turn1 = ids(tok, "<calculator>2+3</calculator>")
+    turn2 = ids(tok, "<calculator>5*4</calculator>")
+    turn3 = ids(tok, "The answer is \\boxed{20}")
+    engine = ScriptedEngine(tok, {tuple(prompt[:3]): [turn1, turn2, turn3]})
+    loop = make_loop(engine, tok, ("calculator",), path=CALC, format="tag", max_turns=5)
+    out = loop.run(prompt_batch(tok, [prompt]), SAMPLING)
+
+    renderer = ObservationRenderer(tok)
+    assert renderer.text(["5"]) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    obs1, obs2 = ids(tok, renderer.text(["5"]), eos=False), ids(tok, renderer.text(["20"]), eos=False)
+    expected = turn1 + obs1 + turn2 + obs2 + turn3
+    mask = [1] * len(turn1) + [0] * len(obs1) + [1] * len(turn2) + [0] * len(obs2) + [1] * len(turn3)
+    n = len(expected)
+    assert out.batch["responses"][0, :n].tolist() == expected
+    assert out.batch["response_mask"][0, :n].tolist() == mask and out.batch["response_mask"][0, n:].sum() == 0
+    assert out.batch["attention_mask"][0, -128:].sum() == n  # tool tokens are attended to
+    lps = out.batch["rollout_log_probs"][0, :n]
+    assert torch.all(lps[torch.tensor(mask) == 1] == -0.5) and torch.all(lps[torch.tensor(mask) == 0] == 0)
+    assert out.batch["prompts"][0, -len(prompt):].tolist() == prompt
+    assert out.non_tensor_batch["agent_end"][0] == END_ANSWER
+    assert out.non_tensor_batch["agent_turns"][0] == 3 and out.non_tensor_batch["agent_tool_calls"][0] == 2
+    assert out.non_tensor_batch["agent_tool_errors"][0] == 0
+    # the full row is what the chat template renders for the whole conversation
+    full = tok.decode(prompt + expected)
+    assert "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n<calculator>5*4" in full
+
+
+def test_model_tokens_are_never_retokenized(tok):
+    """A model turn sampled as characters (' ', 'a', 'ns', 'wer') that the tokenizer would merge
+    (' answer') stays as sampled across turns."""
+    prompt = ids(tok, "<|im_start|>user\nq", eos=False)
+    odd = [tok.convert_tokens_to_ids(t) for t in ["Ġ", "a", "ns", "wer"]] if "Ġ" in tok.get_vocab() else None
+    if odd is None or tok.unk_token_id in odd:
+        odd = ids(tok, " ", eos=False) + ids(tok, "a", eos=False) + ids(tok, "ns", eos=False) + ids(tok, "wer", eos=False)
+    turn1 = odd + ids(tok, "<echo>hi</echo>")
+    turn2 = odd + [tok.eos_token_id]
+    assert tok(tok.decode(odd), add_special_tokens=False)["input_ids"] != odd  # a round trip would change them
+    engine = ScriptedEngine(tok, {tuple(prompt[:3]): [turn1, turn2]})
+    out = make_loop(engine, tok, ("echo",), format="tag").run(prompt_batch(tok, [prompt]), SAMPLING)
+    row = out.batch["responses"][0].tolist()
+    assert row[: len(turn1)] == turn1
+    obs = ids(tok, ObservationRenderer(tok).text(["echo:hi"]), eos=False)
+    assert row[len(turn1): len(turn1) + len(obs)] == obs
+    assert row[len(turn1) + len(obs): len(turn1) + len(obs) + len(turn2)] == turn2
+    # and the engine saw exactly those ids as context for turn 2
+    assert engine.calls and len(engine.calls) == 2
+
+
+def test_turn_limit_and_budget(tok):
+    p1, p2 = ids(tok, "<|im_start|>user\nA", eos=False), ids(tok, "<|im_start|>user\nB", eos=False)
+    call = ids(tok, "<echo>again</echo>")
+    engine = ScriptedEngine(tok, {tuple(p1[:3]): [call] * 10, tuple(p2[:3]): [call] * 10})
+    out = make_loop(engine, tok, format="tag", max_turns=2).run(prompt_batch(tok, [p1, p2]), SAMPLING)
+    assert list(out.non_tensor_batch["agent_end"]) == [END_TURN_LIMIT] * 2
+    assert list(out.non_tensor_batch["agent_turns"]) == [2, 2]
+    assert list(out.non_tensor_batch["agent_tool_calls"]) == [1, 1]  # the limit turn's call is not run
+    # a budget of 40 tokens: the trajectory stops when the next model turn or observation does not fit
+    budget = SamplingSettings(max_new_tokens=40)
+    out = make_loop(engine, tok, format="tag", max_turns=10).run(prompt_batch(tok, [p1]), budget)
+    assert out.non_tensor_batch["agent_end"][0] == END_BUDGET
+    assert out.batch["responses"].shape[1] == 40 and out.batch["attention_mask"][0, -40:].sum() <= 40
+    assert out.batch["response_mask"][0].sum() > 0
+
+
+def test_tool_errors_become_observations(tok):
+    prompt = ids(tok, "<|im_start|>user\nq", eos=False)
+    answer = ids(tok, "done")
+    cases = {"boom": ids(tok, "<boom>x</boom>"), "hang": ids(tok, "<hang>x</hang>"),
+             "unclosed": ids(tok, "<echo>x"), "unknown": ids(tok, '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'),
+             "badjson": ids(tok, "<tool_call>{not json</tool_call>")}
+    for case, turn in cases.items():
+        engine = ScriptedEngine(tok, {tuple(prompt[:3]): [turn, answer]})
+        fmt = "hermes" if case in ("unknown", "badjson") else "tag"
+        loop = make_loop(engine, tok, ("echo", "boom", "hang"), format=fmt, tool_timeout_s=0.5)
+        start = time.monotonic()
+        out = loop.run(prompt_batch(tok, [prompt]), SamplingSettings(max_new_tokens=256))
+        assert time.monotonic() - start < 5, case  # a hanging tool does not hang the rollout
+        nt = out.non_tensor_batch
+        assert nt["agent_tool_errors"][0] == 1 and nt["agent_end"][0] == END_ANSWER, case
+        text = tok.decode(out.batch["responses"][0][out.batch["attention_mask"][0, -256:].bool()].tolist())
+        expected = {"boom": "Error: RuntimeError: the tool broke", "hang": "timed out after 0.5 s",
+                    "unclosed": "without a closing", "unknown": "unknown tool 'nope'", "badjson": "not valid JSON"}[case]
+        assert expected in text, (case, text)
+    metrics = agent_metrics(nt, out.batch["response_mask"], out.batch["attention_mask"])
+    assert metrics["agent/tool_error_rate"] == 1.0 and metrics["agent/end_answer"] == 1.0
+    assert metrics["agent/context_tokens_mean"] > 0
+
+
+def test_slow_tool_does_not_block_other_trajectories(tok):
+    """Trajectory A calls a 1.5 s tool; B makes three fast calls and answers while A's tool still runs."""
+    pa, pb = ids(tok, "Alpha <|im_start|>user\nA", eos=False), ids(tok, "Beta <|im_start|>user\nB", eos=False)
+    assert pa[:3] != pb[:3]
+    engine = ScriptedEngine(tok, {tuple(pa[:3]): [ids(tok, "<slow>x</slow>"), ids(tok, "ok")],
+                                  tuple(pb[:3]): [ids(tok, "<echo>1</echo>")] * 3 + [ids(tok, "ok")]}, delay_s=0.05)
+    loop = make_loop(engine, tok, ("echo", "slow"), format="tag", max_turns=5)
+    start = time.monotonic()
+    out = loop.run(prompt_batch(tok, [pa, pb]), SAMPLING)
+    total = time.monotonic() - start
+    b_calls = [t - start for t, keys in engine.calls if tuple(pb[:3]) in keys]
+    a_calls = [t - start for t, keys in engine.calls if tuple(pa[:3]) in keys]
+    assert len(b_calls) == 4 and len(a_calls) == 2
+    assert b_calls[-1] < 1.0 < a_calls[-1], (b_calls, a_calls)  # B finished all turns before A's tool returned
+    assert total < 2.5
+    assert list(out.non_tensor_batch["agent_end"]) == [END_ANSWER, END_ANSWER]
+    assert list(out.non_tensor_batch["agent_turns"]) == [2, 4]
+
+
+def test_parsers_and_tool_loading():
+    tools = {"calculator": load_tool(CALC, "calculator")}
+    calls = parse_hermes('x <tool_call>{"name": "calculator", "arguments": {"expression": "3*7"}}</tool_call>', tools)
+    assert calls[0].name == "calculator" and calls[0].arguments == {"expression": "3*7"}
+    assert tools["calculator"].function(**calls[0].arguments) == "21"
+    with pytest.raises(ToolLoadError, match="no function 'nothing'"):
+        load_tool(TOOLS, "nothing")
+    with pytest.raises(ToolLoadError, match="not a valid JSON schema"):
+        load_tool(TOOLS, "bad_schema")
+    with pytest.raises(ToolLoadError, match="not found"):
+        load_tool("tools/missing.py", "x")
+
+
+def test_python_interpreter_tool_runs_in_the_sandbox():
+    tool = load_tool(str(TESTS.parent / "tools" / "python_interpreter.py"), "python")
+    assert tool.function(code="print(6 * 7)").strip() == "42"
+    assert "ZeroDivisionError" in tool.function(code="1/0")
+
+
+def test_config_validation_names_the_key(tmp_path):
+    from rlframe.config import ConfigError, RLConfig, ToolConfig, validate_config
+
+    cfg = RLConfig()
+    cfg.rollout.multi_turn.enable = True
+    cfg.rollout.multi_turn.tools = [ToolConfig(path=TOOLS, name="nothing"), ToolConfig(path=str(tmp_path / "no.py"))]
+    cfg.rollout.multi_turn.format = "weird"
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    text = str(error.value)
+    assert "rollout.multi_turn.tools[0]" in text and "no function 'nothing'" in text
+    assert "rollout.multi_turn.tools[1]" in text and "not found" in text
+    assert "rollout.multi_turn.format" in text
+
+
+def test_hf_engine_multi_turn_log_probs_match_a_forward_pass(tiny_model_dir, tok):
+    """The real HF engine on the tiny model, every turn calling `echo` (a test parser): trajectories have
+    tool tokens between model turns; the engine's log-probs on model tokens equal a teacher-forced pass."""
+    from rlframe.device import detect_profile
+    from rlframe.workers.rollout.hf_rollout import HFRollout
+
+    profile = detect_profile(device="cpu", dtype="float32", attn_implementation="sdpa", rollout_engine="hf")
+    engine = HFRollout(str(tiny_model_dir), profile, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    # a random model almost never samples EOS: raise its logit (for generation and the check pass alike)
+    bias = torch.zeros(len(tok))
+    bias[tok.eos_token_id] = 4.0
+    engine.model.lm_head.register_forward_hook(lambda module, args, output: output + bias)
+    torch.manual_seed(0)
+    prompts = [ids(tok, f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", eos=False)
+               for q in ("one", "two plus two", "three")]
+    loop = make_loop(engine, tok, ("echo",), format=f"{TOOLS}:every_turn", max_turns=3)
+    sampling = SamplingSettings(max_new_tokens=64, temperature=1.0)
+    out = loop.run(prompt_batch(tok, prompts), sampling)
+    mask = out.batch["response_mask"]
+    context = out.batch["attention_mask"][:, -64:].float() - mask
+    assert context.sum() > 0 and torch.all(context >= 0)
+    with torch.no_grad():
+        logits = engine.model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+                              position_ids=out.batch["position_ids"]).logits.float()
+    width = out.batch["responses"].size(1)
+    lp = torch.log_softmax(logits[:, -width - 1:-1], -1).gather(-1, out.batch["responses"].unsqueeze(-1)).squeeze(-1)
+    diff = ((lp - out.batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum()
+    assert diff < 1e-3, diff
+    assert set(out.non_tensor_batch["agent_end"]) <= {END_TURN_LIMIT, END_BUDGET}

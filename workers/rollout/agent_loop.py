@@ -1,0 +1,282 @@
+"""Multi-turn rollouts with tools: the agent loop, token-in token-out, on any rollout engine.
+
+Each trajectory alternates model turns and tool turns until the model answers (a turn with no tool
+call), the turn limit (`max_turns` model turns) or the response-token budget (the response width,
+`data.max_response_length`, counting model AND tool tokens). One trajectory is one row of the usual
+rollout layout (`build_rollout_batch`):
+
+    prompts   [tool-prompt system message] + the prompt                  (left-padded)
+    responses model turn 1 | observation 1 | model turn 2 | ... | model's last turn   (right-padded)
+    response_mask      1 on model tokens only: observations are context, never trained on
+    rollout_log_probs  the engine's log-probs on model tokens (0 elsewhere)
+    attention_mask     1 on every real token (model and tool)
+
+A turn may also be capped (`max_tokens_per_turn`): a turn cut there is still parsed for tool calls,
+and its end-of-turn token is put in front of the observation as context. Token ids are kept exactly as sampled: a model turn's ids (EOS included) are appended as the engine
+returned them, and an observation is rendered with the tokenizer's chat template (the tool messages and
+the next assistant header, exactly what the template puts after the model's end-of-turn) and tokenized
+once, then appended as ids. Nothing is decoded and re-tokenized, so the trainer's log-probs are computed
+on the sampled tokens and `rollout/logprob_abs_diff` compares like with like.
+
+Scheduling (continuous batching by rounds): at each round every trajectory that waits for the model
+goes to the engine in one `generate` call; tool calls run in threads meanwhile, and a trajectory whose
+tool has returned joins the next round. No trajectory waits for another's tool: a slow tool holds back
+only its own trajectory. Within a round, HF `generate` runs the batch until its longest member ends;
+vLLM schedules the round's sequences with its own continuous batching, but the call is still blocking,
+so a tool that finishes mid-round waits for the round to end (a true async engine would remove that).
+
+Per row the loop also returns (non-tensor) `agent_turns`, `agent_tool_calls`, `agent_tool_errors` and
+`agent_end` ("answer" | "turn_limit" | "budget"); the driver turns them into metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.workers.rollout.base import unpadded_prompts
+from rlframe.workers.rollout.tools import Tool, ToolCallRun, ToolResult, get_parser, load_tool, tool_prompt
+
+END_ANSWER, END_TURN_LIMIT, END_BUDGET = "answer", "turn_limit", "budget"
+
+
+@dataclass
+class Trajectory:
+    """One prompt's conversation as token ids; `mask` is 1 on model tokens."""
+
+    index: int
+    prompt: list[int]
+    budget: int  # response tokens allowed (model + tool)
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    end: str | None = None
+    pending: list[ToolCallRun] = field(default_factory=list)  # tool calls running for this trajectory
+    turn_open: bool = False  # the last model turn was cut by max_tokens_per_turn before its end-of-turn
+    calls_by_tool: dict = field(default_factory=dict)
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.tokens)
+
+    def append(self, tokens: list[int], trained: bool, log_probs: list[float] | None = None) -> None:
+        self.tokens += tokens
+        self.mask += [1 if trained else 0] * len(tokens)
+        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(tokens)
+
+
+class ObservationRenderer:
+    """Observation text -> token ids, as the chat template renders tool messages after a model turn.
+
+    The template is rendered once around a sentinel assistant message; what follows the sentinel and the
+    model's end-of-turn token up to the end (tool messages + the next assistant header) is the text the
+    template puts between two model turns. It is tokenized once per observation and appended as ids."""
+
+    SENTINEL = "\u2063SENTINEL\u2063"
+
+    def __init__(self, tokenizer, role: str = "tool"):
+        self.tokenizer, self.role = tokenizer, role
+
+    def text(self, observations: list[str], close_turn: bool = False) -> str:
+        """`close_turn`: the model's turn was cut before its end-of-turn token, which then comes first
+        (as context, not as a model token)."""
+        convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self.SENTINEL}]
+        before = self.tokenizer.apply_chat_template(convo, tokenize=False)
+        after = self.tokenizer.apply_chat_template(
+            convo + [{"role": self.role, "content": o} for o in observations], tokenize=False, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template renders the conversation differently once tool messages follow; "
+                             "multi-turn needs a template that appends messages")
+        tail = before[before.index(self.SENTINEL) + len(self.SENTINEL):]  # e.g. "<|im_end|>\n"
+        eos = self.tokenizer.eos_token or ""
+        if eos and tail.startswith(eos) and not close_turn:
+            tail = tail[len(eos):]  # the model's own EOS token is already in the trajectory
+        return tail + after[len(before):]
+
+    def ids(self, observations: list[str], close_turn: bool = False) -> list[int]:
+        return self.tokenizer(self.text(observations, close_turn), add_special_tokens=False)["input_ids"]
+
+    def system_ids(self, content: str) -> list[int]:
+        """A system message (the tool description) rendered on its own, to put in front of a prompt."""
+        full = self.tokenizer.apply_chat_template([{"role": "system", "content": content}], tokenize=False)
+        return self.tokenizer(full, add_special_tokens=False)["input_ids"]
+
+
+class AgentLoop:
+    """Runs multi-turn trajectories on a rollout engine (anything with `generate(DataProto, sampling)`).
+
+    `settings`: MultiTurnSettings (workers/settings.py). `tools`: name -> Tool (loaded from the settings'
+    files unless given)."""
+
+    def __init__(self, engine, settings, tokenizer, tools: dict[str, Tool] | None = None):
+        self.engine, self.settings, self.tokenizer = engine, settings, tokenizer
+        self.tools = tools if tools is not None else {
+            name: load_tool(path, name) for path, name in settings.tools}
+        self.parse = get_parser(settings.format)
+        self.renderer = ObservationRenderer(tokenizer)
+        self.eos_ids = set(getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self.pad_id = getattr(engine, "pad_token_id", None)
+        if self.pad_id is None:
+            self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.prefix = (self.renderer.system_ids(tool_prompt(self.tools, settings.format))
+                       if settings.tool_prompt and self.tools else [])
+        self.engine_calls = 0  # rounds that reached the engine (for tests and timing)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, prompts: DataProto, sampling) -> DataProto:
+        budget = sampling.max_new_tokens
+        trajectories = [Trajectory(i, self.prefix + p, budget) for i, p in enumerate(unpadded_prompts(prompts))]
+        waiting_for_model = list(trajectories)
+        with_tools: list[Trajectory] = []
+        while waiting_for_model or with_tools:
+            if waiting_for_model:
+                self.model_round(waiting_for_model, sampling)
+                with_tools += [t for t in waiting_for_model if t.end is None]
+                waiting_for_model = []
+            # trajectories whose tools have all returned go back to the model; wait only when nothing else can run
+            while with_tools and not waiting_for_model:
+                ready = [t for t in with_tools if all(run.done() for run in t.pending)]
+                if not ready:
+                    time.sleep(0.005)
+                    continue
+                for t in ready:
+                    with_tools.remove(t)
+                    self.observe(t)
+                    if t.end is None:
+                        waiting_for_model.append(t)
+        return self.to_batch(trajectories, prompts, budget)
+
+    def model_round(self, batch: list[Trajectory], sampling) -> None:
+        """One engine call for every trajectory waiting for the model; each then ends or starts its tools."""
+        new_tokens = max(t.remaining for t in batch)
+        per_turn = self.settings.max_tokens_per_turn
+        if per_turn > 0:
+            new_tokens = min(new_tokens, per_turn)
+        out = self.engine.generate(left_padded([t.prompt + t.tokens for t in batch], self.pad_id),
+                                   replace(sampling, max_new_tokens=new_tokens))
+        self.engine_calls += 1
+        responses, mask, lps = out.batch["responses"], out.batch["response_mask"], out.batch["rollout_log_probs"]
+        for row, t in enumerate(batch):
+            length = int(mask[row].sum())
+            tokens = responses[row, :length].tolist()[: t.remaining]
+            t.append(tokens, trained=True, log_probs=lps[row, : len(tokens)].tolist())
+            t.turns += 1
+            t.turn_open = not tokens or tokens[-1] not in self.eos_ids
+            if t.turn_open and (not tokens or t.remaining <= 0 or per_turn <= 0 or len(tokens) < per_turn):
+                t.end = END_BUDGET  # cut by the budget before its end-of-turn
+                continue
+            calls = self.parse(self.tokenizer.decode(tokens, skip_special_tokens=True), self.tools)
+            if not calls:
+                t.end = END_ANSWER
+            elif t.turns >= self.settings.max_turns:
+                t.end = END_TURN_LIMIT
+            else:
+                t.tool_calls += len(calls)
+                for call in calls:
+                    t.calls_by_tool[call.name or "?"] = t.calls_by_tool.get(call.name or "?", 0) + 1
+                t.pending = [ToolCallRun(self.tools.get(c.name), c, self.settings.tool_timeout_s, list(self.tools))
+                             for c in calls]
+
+    def observe(self, t: Trajectory) -> None:
+        """Append the finished tool calls' observations (one tool message each), or end on the budget."""
+        results: list[ToolResult] = [run.result() for run in t.pending]
+        t.pending = []
+        t.tool_errors += sum(r.error is not None for r in results)
+        ids = self.renderer.ids([self.truncate(r.text) for r in results], close_turn=t.turn_open)
+        if len(ids) >= t.remaining:  # no room for the observation and a model token after it
+            t.end = END_BUDGET
+            return
+        t.append(ids, trained=False)
+
+    def truncate(self, text: str) -> str:
+        limit = self.settings.max_tool_response_tokens
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if len(ids) <= limit else self.tokenizer.decode(ids[:limit]) + "...(truncated)"
+
+    # ------------------------------------------------------------------ output
+    def to_batch(self, trajectories: list[Trajectory], prompts: DataProto, width: int) -> DataProto:
+        prompt_part = left_padded([t.prompt for t in trajectories], self.pad_id)
+        n = len(trajectories)
+        responses = torch.full((n, width), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((n, width), dtype=torch.float32)
+        response_attention = torch.zeros((n, width), dtype=torch.long)
+        rollout_log_probs = torch.zeros((n, width), dtype=torch.float32)
+        for i, t in enumerate(trajectories):
+            k = len(t.tokens)
+            responses[i, :k] = torch.tensor(t.tokens, dtype=torch.long)
+            response_mask[i, :k] = torch.tensor(t.mask, dtype=torch.float32)
+            response_attention[i, :k] = 1
+            rollout_log_probs[i, :k] = torch.tensor(t.log_probs, dtype=torch.float32)
+        prompt_ids, prompt_mask = prompt_part.batch["input_ids"], prompt_part.batch["attention_mask"]
+        attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
+        out = DataProto.from_dict(tensors={
+            "prompts": prompt_ids, "responses": responses,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            "response_mask": response_mask, "rollout_log_probs": rollout_log_probs,
+        }, non_tensors={
+            "agent_turns": np.array([t.turns for t in trajectories], dtype=object),
+            "agent_tool_calls": np.array([t.tool_calls for t in trajectories], dtype=object),
+            "agent_tool_errors": np.array([t.tool_errors for t in trajectories], dtype=object),
+            "agent_end": np.array([t.end for t in trajectories], dtype=object),
+        })
+        out.meta_info["agent/engine_calls"] = self.engine_calls
+        return out
+
+
+def left_padded(sequences: list[list[int]], pad_id: int) -> DataProto:
+    """Token lists as a left-padded prompt batch (input_ids, attention_mask, position_ids)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0)})
+
+
+def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:
+    """Per-step metrics from the loop's per-row fields: turns, tool calls and errors per trajectory,
+    the share ending by answer / turn limit / budget, context (tool) vs trained tokens per trajectory."""
+    if "agent_turns" not in non_tensors:
+        return {}
+    turns = np.asarray(non_tensors["agent_turns"], dtype=float)
+    calls = np.asarray(non_tensors["agent_tool_calls"], dtype=float)
+    errors = np.asarray(non_tensors["agent_tool_errors"], dtype=float)
+    ends = list(non_tensors["agent_end"])
+    width = response_mask.size(1)
+    response_tokens = attention_mask[:, -width:].float().sum(-1)
+    trained = response_mask.float().sum(-1)
+    metrics = {"agent/turns_mean": float(turns.mean()), "agent/tool_calls_mean": float(calls.mean()),
+               "agent/tool_call_rate": float((calls > 0).mean()),
+               "agent/tool_error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
+               "agent/trained_tokens_mean": float(trained.mean()),
+               "agent/context_tokens_mean": float((response_tokens - trained).mean())}
+    for reason in (END_ANSWER, END_TURN_LIMIT, END_BUDGET):
+        metrics[f"agent/end_{reason}"] = float(np.mean([e == reason for e in ends]))
+    return metrics
+
+
+def agent_loop_for(engine, settings) -> AgentLoop:
+    """The engine's agent loop, built once (tools imported, tokenizer loaded) and kept on the engine.
+
+    `settings`: RolloutSettings with `multi_turn` set."""
+    loop = getattr(engine, "_agent_loop", None)
+    if loop is None:
+        from transformers import AutoTokenizer
+
+        from rlframe.workers.rollout.base import eos_and_pad_ids
+
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_path, trust_remote_code=settings.trust_remote_code)
+        loop = AgentLoop(engine, settings.multi_turn, tokenizer)
+        loop.eos_ids = set(eos_and_pad_ids(settings.model_path, settings.trust_remote_code)[0])
+        engine._agent_loop = loop
+    return loop
