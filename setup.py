@@ -10,10 +10,11 @@ from setuptools import find_packages, setup
 
 packages = find_packages(include=["rlframe", "rlframe.*"])
 packages += ["rlframe.workers"] + [f"rlframe.workers.{name}" for name in find_packages("workers")]
-packages += ["rlframe.recipes", "rlframe.reward_fns"]
+packages += ["rlframe.recipes", "rlframe.reward_fns", "rlframe.tools"]
 
 setup(
     packages=packages,
-    package_dir={"rlframe.workers": "workers", "rlframe.recipes": "recipes", "rlframe.reward_fns": "reward_fns"},
-    package_data={"rlframe.recipes": ["*.yaml"], "rlframe.reward_fns": ["*.py"]},
+    package_dir={"rlframe.workers": "workers", "rlframe.recipes": "recipes", "rlframe.reward_fns": "reward_fns",
+                 "rlframe.tools": "tools"},
+    package_data={"rlframe.recipes": ["*.yaml"], "rlframe.reward_fns": ["*.py"], "rlframe.tools": ["*.py"]},
 )

@@ -83,7 +83,12 @@ def generate_sequences(engine, settings, prompts: DataProto, rank: int) -> DataP
         if "step" in meta:
             torch.manual_seed(settings.seed * 1_000_003 + int(meta["step"]) * 1_009 + rank)
     start = time.perf_counter()
-    out = engine.generate(prompts, sampling)
+    if getattr(settings, "multi_turn", None) is None:
+        out = engine.generate(prompts, sampling)
+    else:  # multi-turn rollouts with tools (workers/rollout/agent_loop.py)
+        from rlframe.workers.rollout.agent_loop import agent_loop_for
+
+        out = agent_loop_for(engine, settings).run(prompts, sampling)
     out.meta_info["timing/generate_rank0"] = time.perf_counter() - start
     out.meta_info["perf/generated_tokens"] = float(out.batch["response_mask"].sum())
     return out
