@@ -17,9 +17,11 @@ returns ``{"score": float, "acc": 0.0|1.0, "format": 0.0|1.0, "pred": str | None
    ``\\frac{3}{4}``, thousands separators ``1,000``, ``$``, ``%``, and trailing units such as
    ``12 apples`` are tolerated). A numeric ground truth needs a numeric answer: an unevaluated
    expression such as ``\\boxed{7+5}`` does not count as 12 (the policy must do the arithmetic).
-   Other ground truths (``\\sqrt{2}/2``, ``x^2+1``) are compared symbolically when sympy is
-   installed (``sympy.simplify(a - b) == 0`` on sympify-able strings; any sympy error means
-   "not equal").
+   A plain-integer ground truth is decided by that numeric test alone. A non-integer numeric one
+   also accepts ``\\frac12`` (the brace-less shorthand) and percentages (``50\\%`` = ``0.5``).
+   Other ground truths (tuples ``(1, 2)``, intervals ``[0, \\infty)``, ``\\sqrt{2}/2``, ``x^2+1``)
+   go to ``math-verify`` (Hugging Face's equivalence checker, on the extracted answer and the truth
+   as LaTeX), then to sympy (``sympy.simplify(a - b) == 0``; any error means "not equal").
 3. Score: a correct answer earns 1.0 in the requested ``\\boxed{}`` format and 1.0 - FORMAT_SCORE
    in any other recognised form; a wrong or missing answer earns 0.0. The format credit rides on
    correctness on purpose: when it was paid for boxing any answer, a small policy learned to box
@@ -186,18 +188,51 @@ def _sympy_equal(a: str, b: str) -> bool:
         return False
 
 
+_PLAIN_INTEGER = re.compile(r"[-+]?\d+")
+_FRAC_SHORTHAND = re.compile(r"\\[dt]?frac\s*(\d)\s*(\d)")  # \frac12 -> \frac{1}{2}
+
+
+def _math_verify_equal(pred: str, ground_truth: str) -> bool:
+    """math-verify's equivalence on the two answers as LaTeX (False when it is absent or fails)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:  # pragma: no cover - a dependency of rlframe; a user's copy may lack it
+        return False
+    import threading
+
+    # Its timeouts use SIGALRM, which works in the main thread only.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold = parse(f"${ground_truth}$", parsing_timeout=timeout)
+        answer = parse(f"${pred}$", parsing_timeout=timeout)
+        return bool(gold and answer and verify(gold, answer, timeout_seconds=timeout))
+    except Exception:
+        return False
+
+
+def _percent_equal(pred: str, ground_truth: str, a: Fraction | None, b: Fraction) -> bool:
+    """``50\\%`` vs ``0.5`` either way round (to_number reads "50%" as 50)."""
+    if a is None:
+        return False
+    return ("%" in pred and a / 100 == b) or ("%" in ground_truth and a == b / 100)
+
+
 def is_equiv(pred: str, ground_truth: str) -> bool:
     """True when the two answers denote the same value (numerically, then symbolically)."""
     pred, ground_truth = str(pred), str(ground_truth)
     a, b = to_number(pred), to_number(ground_truth)
-    if b is not None:
+    if b is not None and _PLAIN_INTEGER.fullmatch(ground_truth.strip()):
         # A numeric ground truth needs a numeric answer: "\\boxed{7+5}" does not count as 12,
         # otherwise a policy learns to copy the question instead of doing the arithmetic.
         return a is not None and a == b
+    if b is not None:  # a non-integer number: 0.5, 3/4, 50\%
+        if a is None:
+            a = to_number(_FRAC_SHORTHAND.sub(r"\\frac{\1}{\2}", pred))
+        return (a is not None and a == b) or _percent_equal(pred, ground_truth, a, b)
     sa, sb = _strip_latex(pred), _strip_latex(ground_truth)
     if sa == sb and sa != "":
         return True
-    return _sympy_equal(sa, sb)
+    return _math_verify_equal(pred, ground_truth) or _sympy_equal(sa, sb)
 
 
 # ---------------------------------------------------------------------------- reward

@@ -95,7 +95,11 @@ def compose_config(argv: list[str]) -> RLConfig:
         cfg.data.source = "files"
     # Reward scripts named relative to the repository (reward_fns/...) work from any directory,
     # and from an installed wheel (which ships reward_fns/ inside the package).
+    from rlframe.reward.loader import split_path_name
+
     for fn in cfg.reward.functions:
+        fn.path, fn.name = split_path_name(fn.path, fn.name)  # EasyR1's file.py:function
+        fn.path = str(Path(fn.path).expanduser())
         shipped = shipped_dir("reward_fns").parent / fn.path
         if not Path(fn.path).exists() and shipped.exists():
             fn.path = str(shipped)

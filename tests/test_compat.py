@@ -83,7 +83,7 @@ def test_easyr1_command_line(tmp_path, capsys):
     assert cfg.data.train_batch_size == 8 and cfg.actor.ppo_mini_batch_size == 4
     assert cfg.data.prompt_template == "./examples/format_prompt/math.jinja"
     assert cfg.model.path == "Qwen/Qwen2.5-7B-Instruct" and cfg.actor.optim.lr == 1e-6 and cfg.rollout.n == 4
-    assert (cfg.reward.functions[0].path, cfg.reward.functions[0].name) == ("./examples/reward_function/math.py",
+    assert (cfg.reward.functions[0].path, cfg.reward.functions[0].name) == ("examples/reward_function/math.py",
                                                                             "compute_score")
     assert cfg.algorithm.use_kl_loss is False
     assert (cfg.trainer.total_steps, cfg.trainer.val_every, cfg.trainer.save_every) == (7, 5, 0)

@@ -1,19 +1,31 @@
 """Load a user's reward function from a Python file.
 
-A reward file is an ordinary script (see ``reward_fns/``). Two calling conventions are supported:
+A reward file is an ordinary script (see ``reward_fns/``). Three calling conventions are supported:
 
-* per sample (verl), the default::
+* per sample (verl, kind ``"sample"``), called by keyword as verl does::
 
-      def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+      def compute_score(data_source, solution_str, ground_truth, extra_info=None, **reward_kwargs) -> float | dict
 
-  returning a float, or a dict with a ``score`` key plus any extra keys to log;
+  returning a float, or a dict with a ``score`` key plus any extra keys to log (a function whose
+  parameters have other names is called positionally in that order);
 
-* batched (EasyR1), selected by a module-level ``REWARD_TYPE = "batch"``::
+* batched (EasyR1, ``REWARD_TYPE = "batch"``)::
 
-      def compute_score(reward_inputs: list[dict]) -> list[dict]
+      def compute_score(reward_inputs: list[dict], **reward_kwargs) -> list[dict]
 
   each input has ``response``, ``response_length``, ``ground_truth``, ``data_source`` and
-  ``extra_info``; each output has an ``overall`` key plus any extra keys to log.
+  ``extra_info``; each output has an ``overall`` (or ``score``) key plus any extra keys to log;
+
+* sequential (EasyR1, ``REWARD_TYPE = "sequential"``): ``compute_score(reward_input: dict) -> dict``,
+  one such input per call.
+
+The kind: the config's ``reward_type`` when set, else the file's ``REWARD_TYPE``, else the
+signature: a function with ONE required parameter is EasyR1's (batch, EasyR1's own default when
+REWARD_TYPE is absent); one with more (``data_source, solution_str, ...``) is verl's per-sample form.
+``async def`` functions are awaited. ``reward_kwargs`` (``reward.functions[i].kwargs``) are passed
+as keyword arguments on every call.
+
+``path:name`` (EasyR1's ``reward_function=./math.py:compute_score``) names the function in the path.
 
 The file's own directory is appended to ``sys.path``, so a reward file can import its sibling
 helper modules (``from my_helpers import ...``) as when it is run as a script.
@@ -35,6 +47,17 @@ from typing import Any, Callable
 
 SAMPLE = "sample"
 BATCH = "batch"
+SEQUENTIAL = "sequential"
+KINDS = (SAMPLE, BATCH, SEQUENTIAL)
+SAMPLE_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def split_path_name(path: str, name: str | None = None) -> tuple[str, str | None]:
+    """EasyR1's ``file.py:function`` -> (file.py, function); a plain path keeps ``name``."""
+    head, sep, tail = str(path).rpartition(":")
+    if sep and head.endswith(".py") and tail.isidentifier():
+        return head, tail
+    return str(path), name
 
 
 class RewardLoadError(ValueError):
@@ -86,14 +109,47 @@ def _defined_functions(module: ModuleType) -> list[str]:
                   and not name.startswith("_"))
 
 
-def _reward_kind(module: ModuleType, path: Path) -> str:
-    kind = getattr(module, "REWARD_TYPE", SAMPLE)
-    if kind not in (SAMPLE, BATCH):
+def _required_params(fn: Callable) -> list[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _reward_kind(module: ModuleType, path: Path, fn: Callable, configured: str | None) -> str:
+    """configured (reward_type) > the file's REWARD_TYPE > the signature (see the module docstring)."""
+    kind = configured or getattr(module, "REWARD_TYPE", None)
+    if kind is None:
+        return BATCH if len(_required_params(fn)) == 1 else SAMPLE
+    if kind not in KINDS:
         raise RewardLoadError(
-            f"{path}: REWARD_TYPE must be {SAMPLE!r} (compute_score(data_source, solution_str, "
-            f"ground_truth, extra_info=None)) or {BATCH!r} (compute_score(reward_inputs)), "
-            f"got {kind!r}")
+            f"{path}: the reward type must be {SAMPLE!r} (compute_score(data_source, solution_str, "
+            f"ground_truth, extra_info=None)), {BATCH!r} (compute_score(reward_inputs)) or {SEQUENTIAL!r} "
+            f"(compute_score(reward_input)), got {kind!r} (REWARD_TYPE in the file or reward.functions[i].reward_type)")
     return kind
+
+
+def _keyword_call(fn: Callable) -> bool:
+    """verl calls per-sample functions by keyword; a function with other parameter names positionally."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return has_var_kw or all(name in params for name in SAMPLE_ARGS[:3])
+
+
+def _await(result: Any) -> Any:
+    if inspect.isawaitable(result):
+        import asyncio
+
+        async def wait():
+            return await result
+
+        return asyncio.run(wait())
+    return result
 
 
 class RewardFunction:
@@ -103,10 +159,15 @@ class RewardFunction:
     Calling it calls the user's function with the arguments given.
     """
 
-    def __init__(self, path: str | Path, name: str = "compute_score", kind: str | None = None):
+    def __init__(self, path: str | Path, name: str = "compute_score", kind: str | None = None,
+                 kwargs: dict | None = None, reward_type: str | None = None):
+        path, name = split_path_name(str(path), name)
         self.path = str(Path(path).expanduser().resolve())
-        self.name = name
+        self.name = name or "compute_score"
+        self.kwargs = dict(kwargs or {})
+        self.reward_type = reward_type
         self._fn: Callable | None = None
+        self._by_keyword = True
         self.kind = kind if kind is not None else self._load_kind()
 
     def _load_kind(self) -> str:
@@ -129,29 +190,48 @@ class RewardFunction:
         if not callable(fn):
             raise RewardLoadError(
                 f"{self.name!r} in reward file {path} is a {type(fn).__name__}, not a function")
-        self.kind = _reward_kind(module, path)
+        self.kind = _reward_kind(module, path, fn, self.reward_type)
+        self._by_keyword = _keyword_call(fn)
         self._fn = fn
         return fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.load()(*args, **kwargs)
+        return _await(self.load()(*args, **kwargs))
+
+    def score_sample(self, data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any) -> Any:
+        """One per-sample call the way verl makes it: by keyword, plus the configured reward kwargs."""
+        fn = self.load()
+        if self._by_keyword:
+            return _await(fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                             extra_info=extra_info, **self.kwargs))
+        return _await(fn(data_source, solution_str, ground_truth, extra_info, **self.kwargs))
+
+    def score_inputs(self, inputs: Any) -> Any:
+        """A batch (list of input dicts) or sequential (one input dict) call, plus the reward kwargs."""
+        return _await(self.load()(inputs, **self.kwargs))
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "name": self.name, "kind": self.kind}
+        return {"path": self.path, "name": self.name, "kind": self.kind, "kwargs": self.kwargs,
+                "reward_type": self.reward_type}
 
     def __setstate__(self, state: dict) -> None:
         self.path, self.name, self.kind = state["path"], state["name"], state["kind"]
+        self.kwargs, self.reward_type = state.get("kwargs", {}), state.get("reward_type")
         self._fn = None
+        self._by_keyword = True
 
     def __repr__(self) -> str:
         return f"RewardFunction(path={self.path!r}, name={self.name!r}, kind={self.kind!r})"
 
 
-def load_reward_function(path: str | Path, name: str = "compute_score") -> RewardFunction:
+def load_reward_function(path: str | Path, name: str = "compute_score", kwargs: dict | None = None,
+                         reward_type: str | None = None) -> RewardFunction:
     """Load ``name`` from the reward file at ``path`` now (errors surface here, in the caller's
     process) and return a picklable handle to it. Raises ``RewardLoadError``."""
     if not path:
         raise RewardLoadError(
             "no reward file given: set the config key `reward.functions[i].path`, e.g. "
             "reward.functions=[{path: reward_fns/math.py}]")
-    return RewardFunction(path, name)
+    if reward_type == "sample":  # verl's name for it
+        reward_type = SAMPLE
+    return RewardFunction(path, name, kwargs=kwargs, reward_type=reward_type)

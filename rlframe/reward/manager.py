@@ -33,7 +33,10 @@ import logging
 import math
 import multiprocessing as mp
 import numbers
+import os
 import signal
+import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -44,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from rlframe.reward.loader import BATCH, RewardFunction, RewardLoadError, load_reward_function
+from rlframe.reward.loader import BATCH, SEQUENTIAL, RewardFunction, RewardLoadError, load_reward_function
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class RewardSpec:
     name: str = "compute_score"
     weight: float = 1.0
     data_sources: list[str] | None = None
+    kwargs: dict | None = None  # extra keyword arguments on every call (verl's reward_kwargs)
+    reward_type: str | None = None  # sample | sequential | batch; None: REWARD_TYPE, else the signature
 
 
 @dataclass
@@ -138,9 +143,12 @@ def _check_batch_output(out: Any, n: int) -> list[tuple[bool, Any, dict]]:
 def _call_reward(fn: RewardFunction, payload: Any) -> Any:
     """Call the user's function on one task's payload and check what it returns."""
     if fn.kind == BATCH:
-        return _check_batch_output(fn(payload), len(payload))
+        return _check_batch_output(fn.score_inputs(payload), len(payload))
+    if fn.kind == SEQUENTIAL:
+        out = fn.score_inputs(payload)
+        return _check_sample_output(out, "overall" if isinstance(out, dict) and "score" not in out else "score")
     data_source, response, ground_truth, extra_info = payload
-    return _check_sample_output(fn(data_source, response, ground_truth, extra_info))
+    return _check_sample_output(fn.score_sample(data_source, response, ground_truth, extra_info))
 
 
 def _format_exception(exc: BaseException) -> str:
@@ -181,12 +189,89 @@ def _worker_main(conn, fns: list[RewardFunction]) -> None:
             conn.send((task_id, False, f"could not send the result back:\n{traceback.format_exc()}"))
 
 
+class _StderrTail:
+    """The last bytes a worker process wrote to stderr (it is also passed on to ours)."""
+
+    LIMIT = 8192
+
+    def __init__(self):
+        self.data = bytearray()
+        self.done = threading.Event()
+
+    def text(self) -> str:
+        self.done.wait(timeout=2)  # let the pump read what the dead process left in the pipe
+        return self.data.decode("utf-8", errors="replace").strip()
+
+
+def _start_with_stderr_tee(process) -> _StderrTail:
+    """Start `process` with its stderr through a pipe: copied to our stderr, the tail kept for errors."""
+    tail = _StderrTail()
+    try:
+        sys.stderr.flush()
+        read_end, write_end = os.pipe()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        process.start()
+        tail.done.set()
+        return tail
+    try:
+        os.dup2(write_end, 2)  # the child inherits fd 2 at spawn
+        process.start()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write_end)
+
+    def pump() -> None:
+        try:
+            while chunk := os.read(read_end, 4096):
+                try:
+                    os.write(2, chunk)
+                except OSError:
+                    pass
+                tail.data += chunk
+                del tail.data[:-_StderrTail.LIMIT]
+        finally:
+            os.close(read_end)
+            tail.done.set()
+
+    threading.Thread(target=pump, name="rlframe-reward-stderr", daemon=True).start()
+    return tail
+
+
+class _spawnable_main:
+    """The spawn start method re-runs the driver's __main__ file in each worker; a driver read from
+    stdin (`python - < x.py`, __file__ '<stdin>') has no such file, and the worker would die at start.
+    The workers need nothing from __main__ (reward files are imported by path), so it is hidden then."""
+
+    def __enter__(self):
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        self.hidden = None
+        if main is not None and getattr(main, "__spec__", None) is None and path and not os.path.isfile(path):
+            self.hidden = (main, path)
+            del main.__file__
+        return self
+
+    def __exit__(self, *exc):
+        if self.hidden:
+            self.hidden[0].__file__ = self.hidden[1]
+
+
+START_FAILURE_HINT = (
+    "What to do: reward workers are started with the spawn method, which re-imports the driver's main "
+    "script; run the driver as a script file whose top-level code is under `if __name__ == \"__main__\":`, "
+    "make sure the worker can import your reward file's dependencies, or set reward.num_workers=0 to "
+    "score inside the driver process (no timeouts then).")
+
+
 class _Worker:
     def __init__(self, ctx, fns: list[RewardFunction], index: int):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_worker_main, args=(child_conn, fns), daemon=True,
                                    name=f"rlframe-reward-worker-{index}")
-        self.process.start()
+        with _spawnable_main():
+            self.stderr = _start_with_stderr_tee(self.process)
         child_conn.close()  # so that the worker's death reads as EOF here
         self.started_at = time.monotonic()
         self.ready = False
@@ -240,7 +325,7 @@ def validate_reward_specs(specs: list[RewardSpec]) -> list[RewardFunction]:
                 or not all(isinstance(s, str) for s in spec.data_sources)):
             raise ValueError(f"reward spec {i} ({spec.path}): data_sources must be a non-empty "
                              f"list of strings or None (all), got {spec.data_sources!r}")
-        fns.append(load_reward_function(spec.path, spec.name))
+        fns.append(load_reward_function(spec.path, spec.name, spec.kwargs, spec.reward_type))
     return fns
 
 
@@ -359,11 +444,14 @@ class RewardManager:
         for k, (fn, rows) in enumerate(zip(self.fns, routes)):
             if not rows:
                 continue
-            if fn.kind == BATCH:
+            if fn.kind in (BATCH, SEQUENTIAL):
                 inputs = [{"response": responses[i], "response_length": response_lengths[i],
                            "ground_truth": ground_truths[i], "data_source": data_sources[i],
                            "extra_info": extra_infos[i]} for i in rows]
-                tasks.append(_Task(k, rows, inputs, self.batch_timeout_s))
+                if fn.kind == BATCH:
+                    tasks.append(_Task(k, rows, inputs, self.batch_timeout_s))
+                else:
+                    tasks.extend(_Task(k, [i], item, self.timeout_s) for i, item in zip(rows, inputs))
             else:
                 for i in rows:
                     payload = (data_sources[i], responses[i], ground_truths[i], extra_infos[i])
@@ -468,11 +556,15 @@ class RewardManager:
         if worker.process.exitcode is not None or worker.conn.closed:
             worker.process.join(timeout=1)
             if worker.task is not None:
+                stderr = worker.stderr.text()
                 outcomes[worker.task] = ("error", f"the reward worker process died (exit code "
-                                                  f"{worker.process.exitcode}) while scoring")
+                                                  f"{worker.process.exitcode}) while scoring"
+                                         + (f"; its stderr ends:\n{stderr[-1500:]}" if stderr else ""))
             elif not worker.ready:
+                stderr = worker.stderr.text()
                 raise RewardError(f"a reward worker process exited while starting (exit code "
-                                  f"{worker.process.exitcode})")
+                                  f"{worker.process.exitcode}). Its stderr:\n"
+                                  f"{stderr[-3000:] if stderr else '(nothing)'}\n{START_FAILURE_HINT}")
             self._replace(worker)
 
     # ---------------------------------------------------------------- results

@@ -117,7 +117,8 @@ class RLTrainer:
         self.batches = self.sampler.forever()
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.rewards = RewardManager(
-            [RewardSpec(path=f.path, name=f.name, weight=f.weight, data_sources=f.data_sources) for f in cfg.reward.functions],
+            [RewardSpec(path=f.path, name=f.name, weight=f.weight, data_sources=f.data_sources, kwargs=dict(f.kwargs),
+                        reward_type=f.reward_type) for f in cfg.reward.functions],
             num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, batch_timeout_s=cfg.reward.batch_timeout_s,
             fallback_score=cfg.reward.fallback_score, fail_fast=cfg.reward.fail_fast)
         # Where to start (trainer.resume): a checkpoint of this run; metrics logged after it are dropped.
