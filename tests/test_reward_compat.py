@@ -116,9 +116,7 @@ def test_math_checker_still_rejects(pred, truth):
 
 def test_integer_answers_scored_exactly_as_before(tmp_path):
     """The main job's arithmetic answers: the new checker agrees with the previous commit's on every case."""
-    old_source = subprocess.run(["git", "show", "795c58f:reward_fns/math.py"], cwd=REPO, capture_output=True,
-                                text=True, check=True).stdout
-    old = load_reward_function(write(tmp_path, "math_before.py", old_source))
+    old = load_reward_function(REPO / "tests" / "reward_fns" / "math_before_math_verify.py")  # reward_fns/math.py at 795c58f
     preds = ["12", "-3", "12.0", "7+5", "\\frac{24}{2}", "\\frac242", "1200\\%", "12 apples", "x = 12", "0012",
              "1,2", "(12)", "12/1", "twelve", "\\$12", "12.5", "1e1", "100\\%", "", "1", "0", "-0", "+12"]
     truths = ["12", "-3", "1", "0", "10", 12, -3, 1]
