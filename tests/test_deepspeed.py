@@ -223,3 +223,57 @@ def test_update_equals_fsdp_at_1_and_2_ranks(ray_session, tiny_model_dir, tmp_pa
                                          gradient_checkpointing=True, zero_stage=zero_stage),
                             tiny_model_dir, tmp_path / "ws2")
     assert_same_update(reference, two_ranks)
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def opposite_advantages(batch):
+    """A second update that differs from the first (the advantages negated)."""
+    other = batch[list(range(len(batch)))]
+    other.batch["advantages"] = -other.batch["advantages"]
+    return other
+
+
+def assert_same_weights(first: dict, second: dict, rtol=1e-5, atol=1e-6):
+    assert first.keys() == second.keys()
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("zero_stage,adam_offload", [(3, False), (2, True)], ids=["zero3", "zero2-cpu-adam"])
+def test_checkpoint_round_trip_and_resume_on_fsdp(ray_session, tiny_model_dir, tmp_path, zero_stage, adam_offload):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from rlframe.trainer.worker_settings import actor_settings
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
+
+    batch = synthetic_batch(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+    second = opposite_advantages(batch)
+    checkpoint = tmp_path / "checkpoint"
+    cfg = actor_config(tiny_model_dir, world_size=2, micro=2, zero_stage=zero_stage, adam_offload=adam_offload)
+    pool, group, actor = start_actor(cfg, tiny_model_dir)
+    try:
+        assert actor.describe()[0]["strategy"] == "deepspeed"
+        actor.update_actor(batch)  # optimizer state (Adam moments, step 1) worth saving
+        actor.save_checkpoint(str(checkpoint))
+        continued = actor.update_actor(second).meta_info["metrics"]
+        actor.save_hf(str(tmp_path / "continued"))
+        assert actor.load_checkpoint(str(checkpoint))[0]["optimizer_steps"] == 1
+        resumed = actor.update_actor(second).meta_info["metrics"]
+        actor.save_hf(str(tmp_path / "resumed"))
+    finally:
+        group.shutdown()
+        pool.remove()
+    continued_weights = load_file(str(tmp_path / "continued" / "model.safetensors"))
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert resumed[key] == pytest.approx(continued[key], rel=1e-6), key
+    assert_same_weights(continued_weights, load_file(str(tmp_path / "resumed" / "model.safetensors")))
+    # The checkpoint is in the FSDP engine's layout: it resumes there too (one plain process).
+    fsdp_cfg = actor_config(tiny_model_dir, world_size=1, micro=8, strategy="fsdp")
+    fsdp = ActorRolloutWorker(dataclasses.replace(actor_settings(fsdp_cfg, str(tiny_model_dir)), rollout=None))
+    fsdp.load_checkpoint(str(checkpoint))
+    on_fsdp = fsdp.update_actor(second).meta_info["metrics"]
+    fsdp.save_hf(str(tmp_path / "on_fsdp"))
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert on_fsdp[key] == pytest.approx(continued[key], rel=1e-4), key
+    assert_same_weights(continued_weights, load_file(str(tmp_path / "on_fsdp" / "model.safetensors")), 1e-4, 1e-5)

@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ZERO_STAGES = (2, 3)
 OPTIMIZER_FILE = "optimizer.pt"  # the names of workers/engine/checkpoint.py's layout
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+# What torch's AdamW (the FSDP engine) and DeepSpeedCPUAdam share of a param group's settings.
+ADAMW_GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 # ZeRO-3: parameters gathered at once for weight sync, export and checkpoints (elements; 64 Mi
 # elements = 128 MiB in bf16). A larger single parameter is gathered on its own.
 GATHER_BUCKET_NUMEL = 64 * 2**20
@@ -302,10 +304,11 @@ class DeepSpeedEngine(TrainerEngine):
                 if me == 0:
                     state[name] = {"step": step.clone(), **{k: v.cpu() for k, v in moments.items()}}
         if me == 0:
+            # DeepSpeed's groups hold flat partitions; the names come from the groups we built it with.
             groups = []
-            for group in self.optimizer.param_groups:
-                ids = {id(p) for p in group["params"]}
-                groups.append({**{k: v for k, v in group.items() if k != "params"},
+            for group, ours in zip(self.optimizer.param_groups, self._param_groups(self.model, self.settings.optim)):
+                ids = {id(p) for p in ours["params"]}
+                groups.append({**{k: group[k] for k in ADAMW_GROUP_KEYS if k in group},
                                "params": [n for n, p in self.model.named_parameters() if id(p) in ids]})
             write_hf_folder(out, weights, self.model.config, tokenizer_source)
             torch.save({"state": state, "param_groups": groups}, out / OPTIMIZER_FILE)
@@ -487,9 +490,11 @@ def _full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def _full_optimizer_state(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """(ZeRO-3 hands it back flat.)"""
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    return safe_get_full_optimizer_state(param, key).detach().cpu()
+    full = safe_get_full_optimizer_state(param, key)
+    return full.detach().cpu().view(param.ds_shape if _is_zero3(param) else param.shape)
 
 
 def _set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
