@@ -60,3 +60,13 @@ def test_grpo_lora_two_steps_vllm(tmp_path, tiny_model_dir, sync):
                                f"model.lora.weight_sync={sync}")
     assert "engine=vllm" in result.stdout
     check_lora_run(run_dir, result, sync)
+
+
+@pytest.mark.slow
+def test_grpo_lora_disaggregated_broadcasts_merged_weights(tmp_path, tiny_model_dir):
+    """Engines on their own devices get the merged weights by the bucketed broadcast (its plan is
+    made from the merged names and shapes, with no gather)."""
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=hf", *LORA,
+                               "trainer.placement=disaggregated")
+    assert "pool rollout = 1 x rollout" in result.stdout
+    check_lora_run(run_dir, result, "merged")
