@@ -27,9 +27,19 @@ from rlframe.workers.settings import LoraSettings, SamplingSettings
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
-def _reload_weights(worker, weights):  # runs inside vLLM's worker (same process)
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
-    return len(weights)
+def _reload_weights(worker, weights) -> int:
+    """Runs inside vLLM's worker. The engine is in this process, so `weights` arrives as the very
+    iterator the trainer passed (not a copy): tensors stream through one at a time, never all at once."""
+    count = 0
+
+    def counted():
+        nonlocal count
+        for item in weights:
+            count += 1
+            yield item
+
+    worker.model_runner.reload_weights(weights_iterator=counted())
+    return count
 
 
 class VLLMRollout:
@@ -62,15 +72,18 @@ class VLLMRollout:
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora.rank))
         self.llm = LLM(**kwargs)
-        self.asleep = False
+        self.asleep_tags: set[str] = set()  # what sleep() released: "weights", "kv_cache"
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self.asleep_tags)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        weights = list(weights)
-        if self.asleep:
-            self.wake_up(tags=["weights"])
-        self.llm.collective_rpc(_reload_weights, args=(weights,))
+        """Stream new weights in (the KV cache stays asleep until the next generation)."""
+        self.wake_up(tags=["weights"])
+        loaded = self.llm.collective_rpc(_reload_weights, args=(iter(weights),))[0]
         self.llm.reset_prefix_cache()
-        return len(weights)
+        return loaded
 
     def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Adapter-only sync: (trainer state-dict key, A or B) -> a peft folder -> a new LoRA id."""
@@ -79,8 +92,7 @@ class VLLMRollout:
         from rlframe.workers.engine.lora import adapted_module_suffixes, peft_lora_config, write_adapter_folder
 
         state = dict(weights)
-        if self.asleep:
-            self.wake_up(tags=["weights"])
+        self.wake_up(tags=["weights"])
         if self.adapter_dir is None:
             self.adapter_dir = tempfile.mkdtemp(prefix="rlframe-adapter-",
                                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -97,8 +109,7 @@ class VLLMRollout:
     def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:
         from vllm import SamplingParams
 
-        if self.asleep:
-            self.wake_up()
+        self.wake_up(tags=["weights", "kv_cache"])
         params = SamplingParams(
             n=1, max_tokens=sampling.max_new_tokens, logprobs=0,
             temperature=sampling.temperature, top_p=sampling.top_p if not sampling.greedy else 1.0,
@@ -116,12 +127,16 @@ class VLLMRollout:
 
     # GPU memory hand-over between trainer and engine
     def sleep(self) -> None:
+        """Free the KV cache and move the weights to host memory (vLLM sleep level 1), from the end
+        of a generation until the next one; a no-op where sleep mode is off (CPU)."""
         if self.sleep_enabled and not self.asleep:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.asleep_tags = {"weights", "kv_cache"}
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        if self.sleep_enabled and self.asleep:
-            self.llm.wake_up(tags=tags)
-            if tags is None or "kv_cache" in tags:
-                self.asleep = False
+    def wake_up(self, tags: list[str]) -> None:
+        """Map back what `tags` names and is asleep, each once: weights before a load, both before
+        generating (waking the weights again would re-map them over the freshly loaded ones)."""
+        waking = [tag for tag in tags if tag in self.asleep_tags]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self.asleep_tags -= set(waking)
