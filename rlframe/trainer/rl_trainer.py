@@ -259,6 +259,12 @@ class RLTrainer:
             self.actor_rollout.save_hf(str(export_dir))
             summary["hf_model"] = str(export_dir)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        try:  # the HTML report (rlframe/report.py); a failure here must not fail the run
+            from rlframe.report import write_report
+
+            print(f"report: {write_report(self.run_dir)}", flush=True)
+        except Exception as error:
+            logger.warning("could not write the run report: %s: %s", type(error).__name__, error)
         return summary
 
     def rollout_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
@@ -399,7 +405,8 @@ class RLTrainer:
     def write_samples(self, kind: str, texts: list[str], truths: list, scores) -> None:
         with open(self.run_dir / f"{kind}_samples.jsonl", "a") as f:
             for text, truth, score in zip(texts, truths, scores):
-                f.write(json.dumps({"response": text, "ground_truth": str(truth), "score": float(score)}) + "\n")
+                f.write(json.dumps({"step": self.step, "response": text, "ground_truth": str(truth),
+                                    "score": float(score)}) + "\n")
 
     def close(self) -> None:
         self.rewards.close()

@@ -1,0 +1,92 @@
+"""The run report (rlframe/report.py): built from metrics.jsonl, written at the end of a run, and opened
+in headless Chromium (Debian's `chromium`; .ci/run installs it) to check the plots render without
+console errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import read_metrics, run_tiny
+from rlframe.report import build_report, main as report_main, write_report
+
+
+def fake_run(run_dir):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [{"step": 0, "val/reward_mean": 0.2, "val/accuracy": 0.25, "timing/validation": 3.0}]
+    for step in (1, 2, 3):
+        lines.append({"step": step, "critic/score/mean": 0.1 * step, "critic/accuracy": 0.1 * step,
+                      "response_length/mean": 20 + step, "actor/kl_loss": 0.01 * step, "actor/entropy": 1.0 / step,
+                      "actor/pg_clipfrac": 0.0, "rollout/logprob_abs_diff": 1e-5, "timing/rollout": 10.0,
+                      "timing/update": 5.0, "timing/step": 15.5, "perf/generated_tokens_per_s": 100.0})
+    lines.append({"step": 3, "val/reward_mean": 0.5, "val/accuracy": 0.5})
+    text = "\n".join(json.dumps(line) for line in lines) + '\n{"step": 4, "critic/sco'  # a line cut by a crash
+    (run_dir / "metrics.jsonl").write_text(text)
+    (run_dir / "validation_samples.jsonl").write_text(
+        json.dumps({"step": 0, "response": "old", "ground_truth": "1", "score": 0.0}) + "\n"
+        + json.dumps({"step": 3, "response": "<script>alert(1)</script> \\boxed{4}", "ground_truth": "4",
+                      "score": 1.0}) + "\n")
+    return run_dir
+
+
+def test_report_from_metrics(tmp_path):
+    run_dir = fake_run(tmp_path / "run")
+    html = build_report(run_dir)
+    for title in ("Reward", "Accuracy", "Response length", "KL", "Entropy", "Clip fractions",
+                  "Rollout vs trainer log-prob gap", "Throughput", "Time per step by phase"):
+        assert f">{title}" in html, title
+    assert "Memory" not in html  # not logged: no empty chart
+    assert "0.2000 (step 0) &rarr; 0.5000 (step 3)" in html
+    assert "&lt;script&gt;alert(1)" in html and "<script>alert" not in html  # responses are escaped
+    assert ">old<" not in html  # only the last validation's samples
+    assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
+    path = write_report(run_dir)
+    assert path == run_dir / "report.html" and path.read_text() == html
+    with pytest.raises(SystemExit, match="metrics.jsonl not found"):
+        report_main([str(tmp_path / "nowhere")])
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def open_in_chromium(url: str, tmp_path) -> tuple[str, list[str]]:
+    """The page's DOM after load, and the console messages Chromium logged."""
+    done = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                           "--v=0", f"--user-data-dir={tmp_path / 'chromium-profile'}", "--dump-dom", url],
+                          capture_output=True, text=True, timeout=120)
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    return done.stdout, console
+
+
+@pytest.mark.skipif(chromium() is None, reason="Debian's chromium is not installed (.ci/run installs it with apt-get; "
+                                               "this machine could not)")
+def test_report_of_a_two_step_run_renders_in_chromium(tmp_path, tiny_model_dir):
+    # The console check can fail: a page with an error is caught.
+    bad = tmp_path / "bad.html"
+    bad.write_text("<html><body><script>throw new Error('broken page')</script></body></html>")
+    _, console = open_in_chromium(bad.as_uri(), tmp_path)
+    assert any("broken page" in line for line in console), console
+
+    # A 2-step run, written the verl way, writes its report into the run directory.
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "actor_rollout_ref.rollout.n=2",
+                               "trainer.total_training_steps=2", "trainer.test_freq=-1")
+    assert "note: actor_rollout_ref.rollout.n=2 -> rollout.n=2" in result.stdout
+    assert f"report: {run_dir / 'report.html'}" in result.stdout
+    steps = {m["step"] for m in read_metrics(run_dir)}
+    assert steps == {0, 1, 2}
+    dom, console = open_in_chromium((run_dir / "report.html").as_uri(), tmp_path)
+    assert console == [], console
+    assert 'data-charts-rendered="' in dom, dom[:2000]
+    drawn, total = dom.split('data-charts-rendered="', 1)[1].split('"', 1)[0].split("/")
+    assert int(total) >= 8 and drawn == total, (drawn, total)
+    assert "<td>" in dom.split("Sample rollouts", 1)[1]  # the samples table has rows
+
+    # and the command line regenerates it
+    (run_dir / "report.html").unlink()
+    subprocess.run([sys.executable, "-m", "rlframe.report", str(run_dir)], check=True, timeout=120)
+    assert (run_dir / "report.html").is_file()
