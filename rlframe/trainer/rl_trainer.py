@@ -127,7 +127,7 @@ class RLTrainer:
             checkpoint.trim_metrics_log(run_dir, self.resume_from.step)
         self.step, self.first_val, self.last_metrics = 0, {}, {}
         self.tracker = Tracker(run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name, cfg.trainer.experiment_name,
-                               to_container(cfg))
+                               to_container(cfg), total_steps=cfg.trainer.total_steps)
         self.on_policy_update = (cfg.actor.skip_old_log_prob_when_on_policy and cfg.actor.ppo_epochs == 1
                                  and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
                                  and not cfg.algorithm.use_kl_in_reward)  # the reward KL needs old log-probs
@@ -403,10 +403,12 @@ class RLTrainer:
         return metrics
 
     def write_samples(self, kind: str, texts: list[str], truths: list, scores) -> None:
+        rows = [{"step": self.step, "response": text, "ground_truth": str(truth), "score": float(score)}
+                for text, truth, score in zip(texts, truths, scores)]
         with open(self.run_dir / f"{kind}_samples.jsonl", "a") as f:
-            for text, truth, score in zip(texts, truths, scores):
-                f.write(json.dumps({"step": self.step, "response": text, "ground_truth": str(truth),
-                                    "score": float(score)}) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        self.tracker.log_samples(self.step, kind, rows)
 
     def close(self) -> None:
         self.rewards.close()
