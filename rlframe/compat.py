@@ -365,6 +365,8 @@ def translate_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
                 out.append(arg)
                 continue
             out.extend(f"{prefix}{k}={v}" for k, v in pairs)
+            if ours == key:  # our own key, its value only put in Hydra's list syntax: nothing to announce
+                continue
             shown = ", ".join(f"{k}={v}" for k, v in pairs) or "(not needed in rlframe: dropped)"
             notices.append(f"{key}={value} -> {shown}")
             continue
