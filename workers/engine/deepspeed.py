@@ -503,7 +503,18 @@ def _set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, ke
     safe_set_full_optimizer_state(param, value.to(torch.float32), key)
 
 
-if __name__ == "__main__":  # `make install`: compile the ops once, before parallel ranks need them
+def main() -> None:
+    """`make install`: compile the ops once, before parallel ranks need them. An op that cannot be
+    built is reported, not fatal: validate_config names it if a run asks for it."""
     _import_deepspeed(DeviceProfile("cuda" if torch.cuda.is_available() else "cpu", torch.float32, "", "", "", False))
-    build_ops(COMM_OPS + (CPU_ADAM_OP,))
-    print("deepspeed ops ready:", ", ".join(COMM_OPS + (CPU_ADAM_OP,)))
+    for op in COMM_OPS + (CPU_ADAM_OP,):
+        try:
+            build_ops([op])
+            print(f"deepspeed op {op}: ready")
+        except Exception as error:  # (a missing compiler or CUDA toolkit; the message says which)
+            print(f"deepspeed op {op}: NOT built ({type(error).__name__}: {error}); "
+                  "runs that need it will say so before they start")
+
+
+if __name__ == "__main__":
+    main()
