@@ -282,3 +282,21 @@ def test_e2e_multi_turn_vllm_trainer_log_probs_match_engine(tmp_path, tiny_model
     assert "engine=vllm" in result.stdout
     for m in check_multi_turn_run(run_dir):
         print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score", "val/"))})
+
+
+def test_outcome_reward_lands_on_the_last_model_token():
+    """With tool tokens (mask 0) between model turns the score goes on the last model token; on a
+    contiguous single-turn mask the placement equals the former `mask.sum() - 1`."""
+    from rlframe.trainer.rl_trainer import place_scores_on_last_token
+
+    holes = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0], [0] * 8], dtype=torch.float32)
+    placed = place_scores_on_last_token([2.0, 3.0, 4.0], holes)
+    assert placed[0].tolist() == [0, 0, 0, 0, 0, 2.0, 0, 0] and placed[1, 0] == 3.0 and placed[2].sum() == 0
+    torch.manual_seed(0)
+    lengths = torch.randint(0, 9, (64,))
+    contiguous = (torch.arange(8) < lengths[:, None]).float()
+    scores = torch.randn(64).numpy()
+    old = torch.zeros_like(contiguous)
+    old[torch.arange(64), (contiguous.sum(-1).long() - 1).clamp(min=0)] = torch.as_tensor(scores)
+    old = old * (contiguous.sum(-1, keepdim=True) > 0)
+    assert torch.equal(place_scores_on_last_token(scores, contiguous), old)
