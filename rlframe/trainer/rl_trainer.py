@@ -97,6 +97,16 @@ def place_scores_on_last_token(scores: np.ndarray, response_mask: torch.Tensor) 
     return token_scores * (response_mask.sum(-1, keepdim=True) > 0)
 
 
+def add_environment_rows(prompts: DataProto, batch: DataProto, cfg: RLConfig) -> None:
+    """A multi-turn environment's `reset(row)` gets the row's ground truth, data source and extra info."""
+    if not (cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.environment.path):
+        return
+    nt = batch.non_tensor_batch
+    rows = [{"ground_truth": nt["ground_truth"][i], "data_source": nt["data_source"][i],
+             "extra_info": nt["extra_info"][i]} for i in range(len(batch))]
+    prompts.non_tensor_batch["env_row"] = np.array(rows, dtype=object)
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
                  run_dir: Path):
@@ -300,6 +310,7 @@ class RLTrainer:
         batch = self.next_prompts()
         batch.meta_info["step"] = step
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        add_environment_rows(prompts, batch, cfg)
         baseline = self.greedy_baseline(batch, prompts) if cfg.algorithm.adv_estimator == "remax" else None
         prompts = prompts.repeat(cfg.rollout.n, interleave=True)
         batch = batch.repeat(cfg.rollout.n, interleave=True)
@@ -352,6 +363,8 @@ class RLTrainer:
         result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]),
                                     response_lengths=batch.batch["response_mask"].sum(-1).long().tolist())
         scores = result.scores
+        if "agent_env_reward" in nt:  # a multi-turn environment's rewards (summed over the turns)
+            scores = scores + np.asarray(nt["agent_env_reward"], dtype=float)
         metrics = dict(result.metrics)
         if self.reward_model is not None:  # model-based reward on top of the rule-based ones
             rm_input = DataProto.from_dict(non_tensors={"raw_prompt": list(nt["raw_prompt"]), "responses_text": texts})
@@ -381,6 +394,7 @@ class RLTrainer:
         n = min(len(self.val_set), self.cfg.data.val_max_samples or len(self.val_set))
         batch = collate_prompts([self.val_set[i] for i in range(n)], self.pad_token_id)
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        add_environment_rows(prompts, batch, self.cfg)
         prompts.meta_info["validate"] = True
         batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=self.cfg.trainer.timeouts.rollout))
         texts = self.decode_responses(batch)

@@ -143,7 +143,8 @@ def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:
     return MultiTurnSettings(tools=tuple((t.path, t.name) for t in mt.tools), max_turns=mt.max_turns,
                              max_tokens_per_turn=mt.max_tokens_per_turn,
                              max_tool_response_tokens=mt.max_tool_response_tokens, tool_timeout_s=mt.tool_timeout_s,
-                             format=mt.format, tool_prompt=mt.tool_prompt)
+                             format=mt.format, tool_prompt=mt.tool_prompt,
+                             environment=(mt.environment.path, mt.environment.name) if mt.environment.path else None)
 
 
 def actor_settings(cfg: RLConfig, model_path: str, *, with_rollout: bool = True) -> ActorSettings:

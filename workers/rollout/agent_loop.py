@@ -38,9 +38,10 @@ import numpy as np
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.tools import Tool, ToolCallRun, ToolResult, get_parser, load_tool, tool_prompt
+from rlframe.workers.rollout.tools import (Tool, ToolCallRun, ToolResult, call_with_deadline, get_parser,
+                                          load_environment, load_tool, tool_prompt)
 
-END_ANSWER, END_TURN_LIMIT, END_BUDGET = "answer", "turn_limit", "budget"
+END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR = "answer", "turn_limit", "budget", "env_error"
 
 
 @dataclass
@@ -59,6 +60,10 @@ class Trajectory:
     end: str | None = None
     pending: list[ToolCallRun] = field(default_factory=list)  # tool calls running for this trajectory
     turn_open: bool = False  # the last model turn was cut by max_tokens_per_turn before its end-of-turn
+    env: object = None  # the trajectory's environment instance, if any
+    env_feedback: str | None = None  # the environment's observation waiting to be appended
+    turn_rewards: list = field(default_factory=list)  # the environment's reward after each model turn
+    env_errors: int = 0
     calls_by_tool: dict = field(default_factory=dict)
 
     @property
@@ -83,13 +88,13 @@ class ObservationRenderer:
     def __init__(self, tokenizer, role: str = "tool"):
         self.tokenizer, self.role = tokenizer, role
 
-    def text(self, observations: list[str], close_turn: bool = False) -> str:
+    def text(self, observations: list[str], close_turn: bool = False, role: str | None = None) -> str:
         """`close_turn`: the model's turn was cut before its end-of-turn token, which then comes first
         (as context, not as a model token)."""
         convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self.SENTINEL}]
         before = self.tokenizer.apply_chat_template(convo, tokenize=False)
         after = self.tokenizer.apply_chat_template(
-            convo + [{"role": self.role, "content": o} for o in observations], tokenize=False, add_generation_prompt=True)
+            convo + [{"role": role or self.role, "content": o} for o in observations], tokenize=False, add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template renders the conversation differently once tool messages follow; "
                              "multi-turn needs a template that appends messages")
@@ -99,8 +104,8 @@ class ObservationRenderer:
             tail = tail[len(eos):]  # the model's own EOS token is already in the trajectory
         return tail + after[len(before):]
 
-    def ids(self, observations: list[str], close_turn: bool = False) -> list[int]:
-        return self.tokenizer(self.text(observations, close_turn), add_special_tokens=False)["input_ids"]
+    def ids(self, observations: list[str], close_turn: bool = False, role: str | None = None) -> list[int]:
+        return self.tokenizer(self.text(observations, close_turn, role), add_special_tokens=False)["input_ids"]
 
     def system_ids(self, content: str) -> list[int]:
         """A system message (the tool description) rendered on its own, to put in front of a prompt."""
@@ -124,6 +129,7 @@ class AgentLoop:
         self.pad_id = getattr(engine, "pad_token_id", None)
         if self.pad_id is None:
             self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.environment = load_environment(*settings.environment) if settings.environment else None
         self.prefix = (self.renderer.system_ids(tool_prompt(self.tools, settings.format))
                        if settings.tool_prompt and self.tools else [])
         self.engine_calls = 0  # rounds that reached the engine (for tests and timing)
@@ -133,7 +139,11 @@ class AgentLoop:
         budget = sampling.max_new_tokens
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         trajectories = [Trajectory(i, self.prefix + row[m].tolist(), budget) for i, (row, m) in enumerate(zip(ids, mask))]
-        waiting_for_model = list(trajectories)
+        if self.environment is not None:
+            rows = prompts.non_tensor_batch.get("env_row")
+            for t in trajectories:
+                self.start_environment(t, None if rows is None else rows[t.index])
+        waiting_for_model = [t for t in trajectories if t.end is None]
         with_tools: list[Trajectory] = []
         while waiting_for_model or with_tools:
             if waiting_for_model:
@@ -172,8 +182,11 @@ class AgentLoop:
             if t.turn_open and (not tokens or t.remaining <= 0 or per_turn <= 0 or len(tokens) < per_turn):
                 t.end = END_BUDGET  # cut by the budget before its end-of-turn
                 continue
-            calls = self.parse(self.tokenizer.decode(tokens, skip_special_tokens=True), self.tools)
-            if not calls:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            calls = self.parse(text, self.tools) if self.tools else []
+            if not calls and t.env is not None:
+                self.environment_step(t, text)
+            elif not calls:
                 t.end = END_ANSWER
             elif t.turns >= self.settings.max_turns:
                 t.end = END_TURN_LIMIT
@@ -184,12 +197,47 @@ class AgentLoop:
                 t.pending = [ToolCallRun(self.tools.get(c.name), c, self.settings.tool_timeout_s, list(self.tools))
                              for c in calls]
 
+    def start_environment(self, t: Trajectory, row) -> None:
+        """A fresh environment for the trajectory; one that raises in `reset` ends it (counted)."""
+        env, error = call_with_deadline(self.environment, self.settings.tool_timeout_s)
+        if error is None:
+            _, error = call_with_deadline(env.reset, self.settings.tool_timeout_s, row)
+        if error is not None:
+            t.env_errors += 1
+            t.end = END_ENV_ERROR
+        t.env = env
+
+    def environment_step(self, t: Trajectory, text: str) -> None:
+        """The environment judges a turn without tool calls: its feedback becomes the next (user) message,
+        or the trajectory ends (done, no feedback, the turn limit, or an error, counted)."""
+        result, error = call_with_deadline(t.env.step, self.settings.tool_timeout_s, text)
+        if error is None:
+            try:
+                observation, reward, done = result
+                t.turn_rewards.append(float(reward))
+            except (TypeError, ValueError):
+                error = f"step returned {result!r}, not (observation, reward, done)"
+        if error is not None:
+            t.env_errors += 1
+            t.end = END_ENV_ERROR
+        elif done or observation is None:
+            t.end = END_ANSWER
+        elif t.turns >= self.settings.max_turns:
+            t.end = END_TURN_LIMIT
+        else:
+            t.env_feedback = str(observation)
+
     def observe(self, t: Trajectory) -> None:
-        """Append the finished tool calls' observations (one tool message each), or end on the budget."""
-        results: list[ToolResult] = [run.result() for run in t.pending]
-        t.pending = []
-        t.tool_errors += sum(r.error is not None for r in results)
-        ids = self.renderer.ids([self.truncate(r.text) for r in results], close_turn=t.turn_open)
+        """Append the finished tool calls' observations (one tool message each) or the environment's
+        feedback (one user message), or end on the budget."""
+        if t.env_feedback is not None:
+            ids = self.renderer.ids([self.truncate(t.env_feedback)], close_turn=t.turn_open, role="user")
+            t.env_feedback = None
+        else:
+            results: list[ToolResult] = [run.result() for run in t.pending]
+            t.pending = []
+            t.tool_errors += sum(r.error is not None for r in results)
+            ids = self.renderer.ids([self.truncate(r.text) for r in results], close_turn=t.turn_open)
         if len(ids) >= t.remaining:  # no room for the observation and a model token after it
             t.end = END_BUDGET
             return
@@ -226,9 +274,20 @@ class AgentLoop:
             "agent_tool_calls": np.array([t.tool_calls for t in trajectories], dtype=object),
             "agent_tool_errors": np.array([t.tool_errors for t in trajectories], dtype=object),
             "agent_end": np.array([t.end for t in trajectories], dtype=object),
+            "agent_env_errors": np.array([t.env_errors for t in trajectories], dtype=object),
+            # the environment's rewards: per model turn (for estimators that use them) and their sum
+            "agent_turn_rewards": object_array([list(t.turn_rewards) for t in trajectories]),
+            "agent_env_reward": np.array([float(sum(t.turn_rewards)) for t in trajectories], dtype=object),
         })
         out.meta_info["agent/engine_calls"] = self.engine_calls
         return out
+
+
+def object_array(values: list) -> np.ndarray:
+    """A 1-D object array of arbitrary values (lists stay lists, whatever their lengths)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
 
 
 def left_padded(sequences: list[list[int]], pad_id: int) -> DataProto:
@@ -260,7 +319,10 @@ def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask
                "agent/tool_error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
                "agent/trained_tokens_mean": float(trained.mean()),
                "agent/context_tokens_mean": float((response_tokens - trained).mean())}
-    for reason in (END_ANSWER, END_TURN_LIMIT, END_BUDGET):
+    if "agent_env_errors" in non_tensors:
+        metrics["agent/env_error_rate"] = float(np.mean([e > 0 for e in non_tensors["agent_env_errors"]]))
+        metrics["agent/env_reward_mean"] = float(np.mean(np.asarray(non_tensors["agent_env_reward"], dtype=float)))
+    for reason in (END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR):
         metrics[f"agent/end_{reason}"] = float(np.mean([e == reason for e in ends]))
     return metrics
 

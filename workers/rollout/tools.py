@@ -286,3 +286,39 @@ class ToolCallRun:
         import time
 
         return max(0.0, self._deadline - time.monotonic())
+
+
+# ---------------------------------------------------------------------------- environments
+
+
+def load_environment(path: str, name: str):
+    """The environment class `name` of the file `path`: `reset(row) -> None` and
+    `step(model_text) -> (observation | None, reward, done)` (see reward_fns-like ready ones in tools/)."""
+    resolved = resolve_tool_path(path)
+    module = _import_tool_file(resolved)
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise ToolLoadError(f"environment file {resolved} has no class '{name}'")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ToolLoadError(f"environment {resolved}:{name} lacks the method(s) {', '.join(missing)}: "
+                            "reset(row) and step(model_text) -> (observation, reward, done)")
+    return cls
+
+
+def call_with_deadline(function: Callable, timeout_s: float, *args):
+    """(result, error) of `function(*args)` run in a daemon thread; error is "timeout" or "Type: message"."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = function(*args)
+        except BaseException as exc:
+            box["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=target, daemon=True, name="environment")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return None, "timeout"
+    return box.get("result"), box.get("error")
