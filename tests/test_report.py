@@ -74,7 +74,8 @@ def test_report_of_a_two_step_run_renders_in_chromium(tmp_path, tiny_model_dir):
 
     # A 2-step run, written the verl way, writes its report into the run directory.
     run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "actor_rollout_ref.rollout.n=2",
-                               "trainer.total_training_steps=2", "trainer.test_freq=-1")
+                               "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                               "rollout.engine=hf")  # (vLLM: the main job's check, README)
     assert "note: actor_rollout_ref.rollout.n=2 -> rollout.n=2" in result.stdout
     assert f"report: {run_dir / 'report.html'}" in result.stdout
     steps = {m["step"] for m in read_metrics(run_dir)}
@@ -90,3 +91,17 @@ def test_report_of_a_two_step_run_renders_in_chromium(tmp_path, tiny_model_dir):
     (run_dir / "report.html").unlink()
     subprocess.run([sys.executable, "-m", "rlframe.report", str(run_dir)], check=True, timeout=120)
     assert (run_dir / "report.html").is_file()
+
+    # python -m rlframe.eval on the run's exported model reproduces its final validation exactly
+    done = subprocess.run([sys.executable, "-m", "rlframe.eval", f"run={run_dir}", f"out={tmp_path / 'eval.jsonl'}"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("metrics: "))[9:])
+    final = read_metrics(run_dir)[-1]
+    assert metrics["prompts"] == 8 and metrics["n"] == 1
+    assert (metrics["reward_mean"], metrics["accuracy"]) == (final["val/reward_mean"], final["val/accuracy"])
+    assert metrics["response_length"] == final["val/response_length"]
+    validated = [json.loads(line) for line in (run_dir / "validation_samples.jsonl").read_text().splitlines()]
+    validated = [row["response"] for row in validated if row["step"] == 2]
+    evaluated = [json.loads(line)["response"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert evaluated[:len(validated)] == validated  # the same greedy responses, token for token
