@@ -161,6 +161,7 @@ def test_tool_errors_become_observations(tok):
     metrics = agent_metrics(nt, out.batch["response_mask"], out.batch["attention_mask"])
     assert metrics["agent/tool_error_rate"] == 1.0 and metrics["agent/end_answer"] == 1.0
     assert metrics["agent/context_tokens_mean"] > 0
+    assert metrics["agent/tool_calls/(malformed)"] == 1.0  # the last case (bad JSON): one malformed call
 
 
 def test_slow_tool_does_not_block_other_trajectories(tok):

@@ -25,8 +25,10 @@ only its own trajectory. Within a round, HF `generate` runs the batch until its 
 vLLM schedules the round's sequences with its own continuous batching, but the call is still blocking,
 so a tool that finishes mid-round waits for the round to end (a true async engine would remove that).
 
-Per row the loop also returns (non-tensor) `agent_turns`, `agent_tool_calls`, `agent_tool_errors` and
-`agent_end` ("answer" | "turn_limit" | "budget"); the driver turns them into metrics.
+Per row the loop also returns (non-tensor) `agent_turns`, `agent_tool_calls`, `agent_calls_by_tool`,
+`agent_tool_errors`, `agent_end` ("answer" | "turn_limit" | "budget" | "env_error") and, with an
+environment, `agent_turn_rewards` / `agent_env_reward` / `agent_env_errors`; the driver turns them into
+metrics and adds the environment's reward to the score.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ class AgentLoop:
             else:
                 t.tool_calls += len(calls)
                 for call in calls:
-                    t.calls_by_tool[call.name or "?"] = t.calls_by_tool.get(call.name or "?", 0) + 1
+                    t.calls_by_tool[call.name or "(malformed)"] = t.calls_by_tool.get(call.name or "(malformed)", 0) + 1
                 t.pending = [ToolCallRun(self.tools.get(c.name), c, self.settings.tool_timeout_s, list(self.tools))
                              for c in calls]
 
@@ -274,6 +276,7 @@ class AgentLoop:
             "agent_tool_calls": np.array([t.tool_calls for t in trajectories], dtype=object),
             "agent_tool_errors": np.array([t.tool_errors for t in trajectories], dtype=object),
             "agent_end": np.array([t.end for t in trajectories], dtype=object),
+            "agent_calls_by_tool": object_array([dict(t.calls_by_tool) for t in trajectories]),
             "agent_env_errors": np.array([t.env_errors for t in trajectories], dtype=object),
             # the environment's rewards: per model turn (for estimators that use them) and their sum
             "agent_turn_rewards": object_array([list(t.turn_rewards) for t in trajectories]),
@@ -319,6 +322,9 @@ def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask
                "agent/tool_error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
                "agent/trained_tokens_mean": float(trained.mean()),
                "agent/context_tokens_mean": float((response_tokens - trained).mean())}
+    for by_tool in non_tensors.get("agent_calls_by_tool", []):
+        for name, count in by_tool.items():
+            metrics[f"agent/tool_calls/{name}"] = metrics.get(f"agent/tool_calls/{name}", 0.0) + count / len(turns)
     if "agent_env_errors" in non_tensors:
         metrics["agent/env_error_rate"] = float(np.mean([e > 0 for e in non_tensors["agent_env_errors"]]))
         metrics["agent/env_reward_mean"] = float(np.mean(np.asarray(non_tensors["agent_env_reward"], dtype=float)))
