@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlframe.data.files import DatasetError, is_hub_id, read_hub_rows, read_with_datasets
 from rlframe.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ OVERLONG_POLICIES = ("error", "filter", "truncate_left")
 BAD_ROW_POLICIES = ("error", "skip")
 
 
-class DatasetError(ValueError):
-    """A data file or row is unusable; the message names the file, row and field."""
 
 
 # ------------------------------------------------------------------ reading files
@@ -47,8 +46,6 @@ class DatasetError(ValueError):
 def read_rows(path: str | Path) -> list[dict]:
     """Read every row of a parquet / jsonl / json / csv / arrow file, a ``datasets`` folder or a hub
     dataset (``name@split``) as plain dicts."""
-    from rlframe.data.files import is_hub_id, read_hub_rows, read_with_datasets
-
     if not Path(path).expanduser().exists() and is_hub_id(str(path)):
         return read_hub_rows(str(path))
     path = Path(path).expanduser()

@@ -13,6 +13,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+class DatasetError(ValueError):
+    """A data file or row is unusable; the message names the file, row and field."""
+
+
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?(:[\w.-]+)?@[\w.\[\]:%-]+$")
 
 
@@ -48,8 +52,6 @@ def read_with_datasets(path: Path) -> list[dict]:
     """csv / arrow / a JSON array through `datasets` (the layout verl and EasyR1 users already have)."""
     import datasets
 
-    from rlframe.data.dataset import DatasetError
-
     builder = {".csv": "csv", ".arrow": "arrow", ".json": "json"}[path.suffix.lower()]
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
@@ -61,8 +63,6 @@ def read_with_datasets(path: Path) -> list[dict]:
 def read_hub_rows(item: str) -> list[dict]:
     """`name[:config]@split` from the Hugging Face hub (or its local cache)."""
     import datasets
-
-    from rlframe.data.dataset import DatasetError
 
     name, split = item.rsplit("@", 1)
     config = None
