@@ -38,8 +38,6 @@ OVERLONG_POLICIES = ("error", "filter", "truncate_left")
 BAD_ROW_POLICIES = ("error", "skip")
 
 
-
-
 # ------------------------------------------------------------------ reading files
 
 
