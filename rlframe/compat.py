@@ -183,7 +183,7 @@ PEER_KEYS: dict[str, tuple[str | None, Callable | None]] = {
     "trainer.default_local_dir": ("trainer.run_dir", None),
     "trainer.max_actor_ckpt_to_keep": ("trainer.max_checkpoints_to_keep", None),
     "trainer.resume_from_path": ("trainer.resume", None),
-    "trainer.n_gpus_per_node": ("actor.world_size", None),
+    "trainer.n_gpus_per_node": ("actor.world_size", None),  # x trainer.nnodes: see translate_overrides
     "trainer.device": ("trainer.device", None),
     "trainer.log_val_generations": (None, _ignored),
     # ---- EasyR1 (examples/config.yaml)
@@ -331,6 +331,7 @@ def translate_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     reward: dict[str, str] = {}
     reward_kwargs: dict[str, str] = {}
     epochs: str | None = None
+    nnodes = next((a.split("=", 1)[1] for a in argv if a.startswith("trainer.nnodes=")), "1")
     for arg in argv:
         m = _OVERRIDE.match(arg)
         if not m:
@@ -344,6 +345,15 @@ def translate_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
         if kwargs_prefix is not None and value is not None:
             reward_kwargs[key[len(kwargs_prefix):]] = value
             notices.append(f"{key}={value} -> reward.functions[0].kwargs.{key[len(kwargs_prefix):]}={value}")
+            continue
+        if key == "trainer.n_gpus_per_node" and value is not None:
+            # verl trains on every GPU: actor.world_size = GPUs per node x nodes
+            world = int(value) * int(nnodes) if value.isdigit() and nnodes.isdigit() else value
+            out.append(f"actor.world_size={world}")
+            if nnodes != "1":
+                out.append(f"trainer.devices_per_node={value}")
+            notices.append(f"{key}={value} -> actor.world_size={world}"
+                           + (f", trainer.devices_per_node={value}" if nnodes != "1" else ""))
             continue
         if key == "trainer.total_epochs":
             epochs = value

@@ -117,3 +117,10 @@ def test_data_source_conflict_is_an_error(tmp_path):
     (tmp_path / "a.parquet").write_bytes(b"")
     with pytest.raises(UsageError, match="data.source=arithmetic together with data.train_files"):
         compose_config([f"data.train_files={tmp_path}/a.parquet", "data.source=arithmetic"])
+
+
+def test_gpus_per_node_times_nodes_is_the_world_size():
+    out, notices = translate_overrides(["trainer.n_gpus_per_node=8", "trainer.nnodes=2"])
+    assert out == ["actor.world_size=16", "trainer.devices_per_node=8", "trainer.nnodes=2"]
+    assert notices == ["trainer.n_gpus_per_node=8 -> actor.world_size=16, trainer.devices_per_node=8"]
+    assert translate_overrides(["trainer.n_gpus_per_node=2"])[0] == ["actor.world_size=2"]
