@@ -8,11 +8,15 @@ generation; the CPU backend has no sleep mode.
 
 With `lora` (adapter-only weight sync under LoRA) the engine runs the base model with vLLM's LoRA
 support: `load_adapter` writes the adapter tensors as a peft folder (in /dev/shm where there is
-one) and registers it under a new id; every generation then runs with that adapter.
+one) and registers it under a new id; every generation then runs with that adapter. On GPU vLLM
+applies adapters with its punica kernels; its CPU fallback gathers a copy of the adapter weights
+per token (measured here: generation many times slower, GBs of memory), so on CPU prefer
+`model.lora.weight_sync=merged`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
@@ -24,6 +28,7 @@ from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import build_rollout_batch, unpadded_prompts
 from rlframe.workers.settings import LoraSettings, SamplingSettings
 
+logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
@@ -69,6 +74,10 @@ class VLLMRollout:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
         self.lora, self.lora_request, self.adapter_dir = lora, None, None
         if lora is not None:
+            if not profile.is_gpu:
+                logger.warning("model.lora.weight_sync=adapter with vLLM on CPU: vLLM's CPU LoRA path gathers the "
+                               "adapter weights per token and generates many times slower than the merged model. "
+                               "Fix: model.lora.weight_sync=merged (or rollout.engine=hf)")
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora.rank))
         self.llm = LLM(**kwargs)
