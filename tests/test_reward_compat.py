@@ -167,3 +167,16 @@ def test_worker_that_cannot_start_says_why(tmp_path):
     assert "a reward worker process exited while starting" in done.stderr
     assert "Its stderr:" in done.stderr and "bootstrapping phase" in done.stderr
     assert 'if __name__ == "__main__":' in done.stderr and "reward.num_workers=0" in done.stderr
+
+
+def test_a_pool_started_long_before_its_first_batch_scores(monkeypatch):
+    """The driver is busy for minutes between starting the pool and the first batch (workers start,
+    validation generates): a worker whose "ready" waits unread in the pipe is not a startup failure."""
+    import time
+
+    import rlframe.reward.manager as manager_module
+
+    monkeypatch.setattr(manager_module, "WORKER_STARTUP_TIMEOUT_S", 1.0)
+    with RewardManager([RewardSpec(str(REPO / "reward_fns" / "math.py"))], num_workers=1) as manager:
+        time.sleep(12)  # the worker is ready long before this, its message unread
+        assert manager.score(["\\boxed{12}"], ["12"], ["math"], [{}]).scores.tolist() == [1.0]

@@ -496,8 +496,15 @@ class RewardManager:
                                                             f"(the worker process was killed)")
                         self._replace(worker)
                     elif not worker.ready and now - worker.started_at > WORKER_STARTUP_TIMEOUT_S:
-                        raise RewardError(f"a reward worker process did not start within "
-                                          f"{WORKER_STARTUP_TIMEOUT_S:g}s")
+                        # Its "ready" may be waiting in the pipe: the driver was busy elsewhere since
+                        # the pool started (workers start, validation generates) and read nothing.
+                        self._receive(worker, outcomes)
+                        if not worker.ready and worker in self._workers:
+                            stderr = worker.stderr.text() if worker.process.exitcode is not None else ""
+                            raise RewardError(f"a reward worker process did not start within "
+                                              f"{WORKER_STARTUP_TIMEOUT_S:g}s"
+                                              + (f"; its stderr:\n{stderr[-3000:]}" if stderr else "")
+                                              + f"\n{START_FAILURE_HINT}")
                 if self.fail_fast and any(o is not None and o[0] != "ok" for o in outcomes):
                     break
                 for worker in list(self._workers):
