@@ -312,3 +312,57 @@ def test_grpo_two_steps_on_deepspeed_zero3(tmp_path, tiny_model_dir):
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert torch.isfinite(exported(torch.tensor([[5, 6, 7]])).logits).all()
+
+
+# ------------------------------------------------------------------------------------ the critic
+def critic_role(model_dir, strategy: str, world_size: int, micro: int, **deepspeed):
+    from rlframe.trainer.worker_settings import critic_settings
+
+    cfg = actor_config(model_dir, world_size=world_size, micro=micro, strategy=strategy, **deepspeed)
+    cfg.actor.ppo_mini_batch_size = 2  # x n=2 -> 4 sequences: the whole batch
+    cfg.critic.ppo_micro_batch_size_per_device = micro
+    cfg.critic.cliprange_value = 0.0
+    cfg.trainer.max_consecutive_skipped_updates = 2
+    return critic_settings(cfg, str(model_dir))
+
+
+def critic_batch():
+    from test_critic import _batch
+
+    data = _batch()
+    data.batch["values"] = torch.zeros(4, 4)  # the zero-initialised head's values
+    data.batch["returns"] = torch.tensor([0.5, -0.2, 1.0, 0.1]).unsqueeze(1) * data.batch["response_mask"]
+    return data
+
+
+def test_critic_update_equals_fsdp_then_nonfinite_updates_skip_and_stop(ray_session, tiny_model_dir):
+    """The value head (its own LR group) at ZeRO-3 on 2 ranks updates like the FSDP critic; a NaN
+    return skips the step (values unchanged) and two in a row stop, as on FSDP."""
+    from rlframe.controller import ResourcePool, WorkerGroup
+    from rlframe.workers.roles.critic import CriticWorker
+
+    fsdp = CriticWorker(critic_role(tiny_model_dir, "fsdp", world_size=1, micro=4))
+    expected = fsdp.update_critic(critic_batch()).meta_info["metrics"]
+    expected_values = fsdp.compute_values(critic_batch()).batch["values"]
+
+    settings = critic_role(tiny_model_dir, "deepspeed", world_size=2, micro=1, zero_stage=3)
+    pool = ResourcePool([2], cpus_per_bundle=1, name="ds_critic")
+    group = WorkerGroup(pool, {"critic": (CriticWorker, {"settings": settings})}, default_timeout_s=300)
+    try:
+        critic = group.role("critic")
+        assert critic.compute_values(critic_batch()).batch["values"].abs().max() == 0  # the head starts at zero
+        metrics = critic.update_critic(critic_batch()).meta_info["metrics"]
+        for key in ("critic/vf_loss", "critic/grad_norm"):
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-4), key
+        values = critic.compute_values(critic_batch()).batch["values"]
+        torch.testing.assert_close(values, expected_values, rtol=1e-4, atol=1e-6)
+        assert values.abs().max() > 0
+        broken = critic_batch()
+        broken.batch["returns"][1, 0] = float("nan")
+        assert critic.update_critic(broken).meta_info["metrics"]["critic/skipped_updates"] == 1.0
+        torch.testing.assert_close(critic.compute_values(critic_batch()).batch["values"], values, rtol=0, atol=0)
+        with pytest.raises(Exception, match=r"critic: gradient norm was (nan|inf) for 2 optimiser steps in a row"):
+            critic.update_critic(broken)
+    finally:
+        group.shutdown()
+        pool.remove()

@@ -234,14 +234,16 @@ class DeepSpeedEngine(TrainerEngine):
         self.call_model = _through_engine(self.ds)
 
     def _build_optimizer(self, model: torch.nn.Module, optim: OptimSettings, offload: bool) -> torch.optim.Optimizer:
-        """AdamW; DeepSpeed's vectorised CPU Adam (AdamW mode) when the optimizer lives on the CPU."""
+        """AdamW: DeepSpeed's vectorised CPU Adam (AdamW mode) for ZeRO-Offload, which expects it; else
+        torch's fused kernel (examples/benchmark/cpu_adam.py: on CPU tensors both step ~5x faster than
+        torch's default per-tensor loop, e.g. 115 vs 630 ms for SmolLM2-135M's 135M parameters)."""
         groups = self._param_groups(model, optim)
         kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "weight_decay": optim.weight_decay}
         if offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        return torch.optim.AdamW(groups, **kwargs)
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
 
     def _param_groups(self, model: torch.nn.Module, optim: OptimSettings) -> list[dict]:
         """One group; a value head gets its own LR (it starts at zero and must reach the reward scale)."""
