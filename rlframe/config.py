@@ -385,6 +385,9 @@ class DeepSpeedConfig:
     stage3_max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000  # ZeRO-3: elements per optimizer sub-group
     grad_accum_dtype: Optional[str] = None  # fp32 | bf16; null: DeepSpeed's default
+    # rlframe's own: ZeRO-3 parameter elements gathered at once to stream the full weights (weight sync,
+    # export, checkpoints); never the whole model on one rank. A larger single tensor is gathered alone.
+    gather_bucket_size: int = 64 * 2**20
     # OpenRLHF flags rlframe does not implement (UNHONOURED_DEEPSPEED_KEYS): an error unless left as they are.
     zpg: int = 1
     ds_tensor_parallel_size: int = 1
@@ -781,7 +784,8 @@ def _validate_deepspeed(cfg: RLConfig, need) -> None:
     need(not (cfg.trainer.placement == "disaggregated" and ds.zero_stage == 3), "deepspeed.zero_stage",
          "the disaggregated weight broadcast plans its buckets from the module's parameter shapes, which ZeRO-3 "
          "partitions. Fix: deepspeed.zero_stage=2, or trainer.placement=colocated")
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"):
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size",
+                "gather_bucket_size"):
         need(getattr(ds, key) > 0, f"deepspeed.{key}", "must be > 0 (elements)")
     if ds.adam_offload or cfg.actor.offload_optimizer:
         problem = extension_problem()

@@ -121,6 +121,14 @@ def test_optimizer_offload_without_its_extension_is_a_config_error(tiny_model_di
     assert "no C++ compiler ('/nonexistent/c++')" in message and "Fix:" in message
 
 
+def test_gather_buckets_bound_the_elements_gathered_at_once():
+    from rlframe.workers.engine.deepspeed import _buckets
+
+    entries = [(name, torch.empty(n)) for name, n in [("a", 30), ("b", 50), ("c", 100), ("d", 10), ("e", 10)]]
+    assert [[n for n, _ in b] for b in _buckets(entries, 80)] == [["a", "b"], ["c"], ["d", "e"]]
+    assert [[n for n, _ in b] for b in _buckets(entries, 1000)] == [["a", "b", "c", "d", "e"]]
+
+
 # ------------------------------------------------------------------------------------ CPU Adam
 def test_cpu_adam_steps_like_torch_adamw():
     from rlframe.workers.engine.deepspeed import CPU_ADAM_OP, build_ops
@@ -216,12 +224,14 @@ def fsdp_reference(model_dir, tmp_path):
 def test_update_equals_fsdp_at_1_and_2_ranks(ray_session, tiny_model_dir, tmp_path, zero_stage):
     reference = fsdp_reference(tiny_model_dir, tmp_path)
     # 1 rank, 2 micro-batches (padded rows)
-    one_rank = update_once(actor_config(tiny_model_dir, world_size=1, micro=4, zero_stage=zero_stage),
-                           tiny_model_dir, tmp_path / "ws1")
+    # (a small gather bucket: ZeRO-3 streams the weights in several gathers, the tied embedding alone)
+    one_rank = update_once(actor_config(tiny_model_dir, world_size=1, micro=4, zero_stage=zero_stage,
+                                        gather_bucket_size=40_000), tiny_model_dir, tmp_path / "ws1")
     assert_same_update(reference, one_rank)
     # 2 ranks x 2 micro-batches, packed rows (VARLEN_SDPA) and gradient checkpointing
     two_ranks = update_once(actor_config(tiny_model_dir, world_size=2, micro=2, packed="true",
-                                         gradient_checkpointing=True, zero_stage=zero_stage),
+                                         gradient_checkpointing=True, zero_stage=zero_stage,
+                                         gather_bucket_size=40_000),
                             tiny_model_dir, tmp_path / "ws2")
     assert_same_update(reference, two_ranks)
 
@@ -251,7 +261,8 @@ def test_checkpoint_round_trip_and_resume_on_fsdp(ray_session, tiny_model_dir, t
     batch = synthetic_batch(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
     second = opposite_advantages(batch)
     checkpoint = tmp_path / "checkpoint"
-    cfg = actor_config(tiny_model_dir, world_size=2, micro=2, zero_stage=zero_stage, adam_offload=adam_offload)
+    cfg = actor_config(tiny_model_dir, world_size=2, micro=2, zero_stage=zero_stage, adam_offload=adam_offload,
+                       gather_bucket_size=40_000)
     pool, group, actor = start_actor(cfg, tiny_model_dir)
     try:
         assert actor.describe()[0]["strategy"] == "deepspeed"
@@ -293,7 +304,8 @@ def test_grpo_two_steps_on_deepspeed_zero3(tmp_path, tiny_model_dir):
 
     reward = Path(__file__).parent / "length_reward.py"  # varies per response: the weights really move
     run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math_deepspeed", "rollout.engine=hf",
-                               "deepspeed.zero_stage=3", "trainer.save_every=2", "actor.optim.lr=1e-3",
+                               "deepspeed.zero_stage=3", "deepspeed.gather_bucket_size=40000", "trainer.save_every=2",
+                               "actor.optim.lr=1e-3",
                                f"reward.functions=[{{path:{reward}}}]")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]

@@ -76,6 +76,7 @@ class DeepSpeedSettings:
     stage3_max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
     grad_accum_dtype: str | None = None  # None: DeepSpeed's default for the dtype
+    gather_bucket_size: int = 64 * 2**20  # ZeRO-3: parameter elements gathered at once (weight sync, checkpoints)
 
 
 @dataclass(frozen=True)

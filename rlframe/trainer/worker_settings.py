@@ -53,7 +53,7 @@ def deepspeed_settings(cfg: RLConfig) -> DeepSpeedSettings:
         stage3_param_persistence_threshold=ds.stage3_param_persistence_threshold,
         stage3_max_live_parameters=ds.stage3_max_live_parameters,
         stage3_max_reuse_distance=ds.stage3_max_reuse_distance, sub_group_size=ds.sub_group_size,
-        grad_accum_dtype=ds.grad_accum_dtype)
+        grad_accum_dtype=ds.grad_accum_dtype, gather_bucket_size=ds.gather_bucket_size)
 
 
 def engine_offload(cfg: RLConfig, role: str) -> dict[str, bool]:

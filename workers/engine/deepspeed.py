@@ -19,7 +19,7 @@ who shards and steps:
 - DeepSpeed owns the optimizer step (`guarded_step`): it reduces the gradients, computes the global
   norm before clipping, clips to `optim.grad_clip`, and skips a step whose norm is not finite
   without stepping the LR schedule; we count the skips exactly as the base class does.
-- `iter_full_weights` gathers ZeRO-3 parameters a bucket at a time (`GATHER_BUCKET_NUMEL`), never
+- `iter_full_weights` gathers ZeRO-3 parameters a bucket at a time (`deepspeed.gather_bucket_size`), never
   the whole model on one rank. Checkpoints use the layout of `checkpoint.py` (full fp32 master
   weights in HF names, the optimizer state keyed by parameter name, per-rank scheduler / counters /
   RNG), so `python -m rlframe.export` reads them and a run can resume on either engine.
@@ -66,9 +66,6 @@ OPTIMIZER_FILE = "optimizer.pt"  # the names of workers/engine/checkpoint.py's l
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 # What torch's AdamW (the FSDP engine) and DeepSpeedCPUAdam share of a param group's settings.
 ADAMW_GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
-# ZeRO-3: parameters gathered at once for weight sync, export and checkpoints (elements; 64 Mi
-# elements = 128 MiB in bf16). A larger single parameter is gathered on its own.
-GATHER_BUCKET_NUMEL = 64 * 2**20
 # The ops a process may JIT-compile, per need (DeepSpeed op-builder class names).
 COMM_OPS = ("ShareMemCommBuilder",)  # loaded by deepspeed.comm on the CPU accelerator
 CPU_ADAM_OP = "CPUAdamBuilder"
@@ -328,7 +325,7 @@ class DeepSpeedEngine(TrainerEngine):
         weights = load_file(str(src / WEIGHTS_FILE))
         optim_state = torch.load(src / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
         named = dict(self.model.named_parameters())
-        for bucket in _buckets(list(named.items())):
+        for bucket in _buckets(list(named.items()), self.settings.deepspeed.gather_bucket_size):
             self._set_weights(bucket, weights)
         for name, param in named.items():
             for key in ADAM_STATE_KEYS:
@@ -363,8 +360,8 @@ class DeepSpeedEngine(TrainerEngine):
         weights (bf16 on GPU). Tied weights appear under each of their names, as in `state_dict`.
         """
         entries = list(self.model.state_dict(keep_vars=True).items())
-        for bucket in _buckets(entries):
-            params = [t for _, t in bucket if _is_zero3(t)]
+        for bucket in _buckets(entries, self.settings.deepspeed.gather_bucket_size):
+            params = list({id(t): t for _, t in bucket if _is_zero3(t)}.values())  # (tied weights: once)
             with _gathered(params):
                 for name, tensor in bucket:
                     is_param = isinstance(tensor, torch.nn.Parameter)
@@ -471,12 +468,12 @@ def _numel(tensor: torch.Tensor) -> int:
     return tensor.ds_numel if _is_zero3(tensor) else tensor.numel()
 
 
-def _buckets(entries: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive entries of at most GATHER_BUCKET_NUMEL elements (a larger tensor alone)."""
+def _buckets(entries: list[tuple[str, torch.Tensor]], max_numel: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive entries of at most `max_numel` elements in all (a larger tensor alone)."""
     buckets: list[list] = [[]]
     size = 0
     for name, tensor in entries:
-        if buckets[-1] and size + _numel(tensor) > GATHER_BUCKET_NUMEL:
+        if buckets[-1] and size + _numel(tensor) > max_numel:
             buckets.append([])
             size = 0
         buckets[-1].append((name, tensor))
