@@ -6,9 +6,9 @@ Same interface and the same update loop as the FSDP engine (`base.TrainerEngine`
 who shards and steps:
 
 - ZeRO stage 2 (optimizer state and gradients partitioned over the data-parallel ranks) or 3
-  (parameters too, gathered layer by layer in forward and backward). `offload_optimizer`:
-  ZeRO-Offload, the optimizer state and step on the CPU with DeepSpeedCPUAdam; `offload_params`
-  (ZeRO-3): ZeRO-Infinity's parameters on the CPU. bf16 with fp32 master weights on GPU, fp32 on
+  (parameters too, gathered layer by layer in forward and backward). AdamW: torch's fused kernel;
+  with `offload_optimizer`, ZeRO-Offload: the optimizer state and step on the CPU with
+  DeepSpeedCPUAdam. `offload_params` (ZeRO-3): ZeRO-Infinity's parameters on the CPU. bf16 with fp32 master weights on GPU, fp32 on
   CPU (the device profile's dtype).
 - Gradient accumulation is ours, not DeepSpeed's: `managed_gradient_accumulation=false` makes every
   `backward` only accumulate (the reduction happens in `step`), and `backward(..., scale_wrt_gas=False)`
@@ -45,6 +45,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -189,7 +190,6 @@ class DeepSpeedEngine(TrainerEngine):
                              "Fix: actor.ulysses_sequence_parallel_size=1 or actor.strategy=fsdp")
         self.settings, self.profile, self.name = settings, profile, name
         self.device = torch.device(profile.device)
-        self.stage = settings.deepspeed.zero_stage
         train = settings.optim is not None
         ds_config = deepspeed_config(settings.deepspeed, profile, train=train,
                                      grad_clip=settings.optim.grad_clip if train else 0.0,
@@ -197,7 +197,7 @@ class DeepSpeedEngine(TrainerEngine):
                                      offload_optimizer=settings.offload_optimizer)
         deepspeed = _import_deepspeed(profile)
         build_ops(COMM_OPS + ((CPU_ADAM_OP,) if train and settings.offload_optimizer else ()))
-        _init_distributed(deepspeed, profile)
+        _init_distributed(deepspeed)
 
         self.value_head = settings.head == "value"
         from rlframe.workers.engine.fsdp import use_remove_padding
@@ -214,10 +214,13 @@ class DeepSpeedEngine(TrainerEngine):
                                         trust_remote_code=settings.trust_remote_code)
         self.sharded = True  # (describe(): DeepSpeed always wraps the model)
         self.optimizer_steps = self.consecutive_skips = 0
+        # DeepSpeed binds the GPU numbered LOCAL_RANK unless told; the worker host already bound ours
+        # (Ray may show this process only its own GPU, as device 0).
+        where = SimpleNamespace(device_rank=torch.cuda.current_device()) if profile.is_gpu else None
         if not train:
             model.eval()
             model.requires_grad_(False)
-            self.ds, *_ = deepspeed.initialize(model=model, config=ds_config)
+            self.ds, *_ = deepspeed.initialize(args=where, model=model, config=ds_config)
             self.optimizer = self.scheduler = None
         else:
             model.train()
@@ -226,7 +229,7 @@ class DeepSpeedEngine(TrainerEngine):
             scheduler = torch.optim.lr_scheduler.LambdaLR(
                 client_optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=client_optimizer, lr_scheduler=scheduler, config=ds_config)
+                args=where, model=model, optimizer=client_optimizer, lr_scheduler=scheduler, config=ds_config)
         self.model = self.ds.module
         self.call_model = _through_engine(self.ds)
 
@@ -406,7 +409,7 @@ def _import_deepspeed(profile: DeviceProfile):
     return deepspeed
 
 
-def _init_distributed(deepspeed, profile: DeviceProfile) -> None:
+def _init_distributed(deepspeed) -> None:
     """DeepSpeed's communication layer over our process group (a one-rank gloo group for a plain object)."""
     if not dist.is_initialized():
         from rlframe.controller.worker_host import find_free_port
