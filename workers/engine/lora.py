@@ -134,11 +134,12 @@ def _base_entries(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
         yield key.replace(".base_layer.", "."), key, tensor
 
 
-def delta_weight(layer: nn.Module) -> torch.Tensor:
-    """(alpha / r) * B @ A of one LoRA layer, full (gathered) and in fp32: shape [out, in]."""
+def merge_weight(base: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """W + (alpha / r) * B @ A for one LoRA layer: one fused addmm in fp32 on the full (gathered)
+    tensors, returned in W's dtype; shape [out, in]."""
     lora_a = _full(layer.lora_A[ADAPTER].weight.detach()).float()
     lora_b = _full(layer.lora_B[ADAPTER].weight.detach()).float()
-    return (lora_b @ lora_a) * layer.scaling[ADAPTER]
+    return torch.addmm(base.float(), lora_b, lora_a, alpha=layer.scaling[ADAPTER]).to(base.dtype)
 
 
 def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,7 +162,7 @@ def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> I
         full = full.detach()
         owner = layers.get(name.rpartition(".")[0]) if leaf == "weight" else None
         if owner is not None:
-            full = (full.float() + delta_weight(owner)).to(full.dtype)
+            full = merge_weight(full, owner)
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
         yield name, full
@@ -359,7 +360,7 @@ def target_module_problems(target_modules, exclude_modules, linear: list[str], a
 
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "adapter_base_path", "adapters_disabled",
-           "apply_lora", "build_qlora_base", "delta_weight", "from_peft_key", "has_lora", "is_adapter_folder",
+           "apply_lora", "build_qlora_base", "merge_weight", "from_peft_key", "has_lora", "is_adapter_folder",
            "iter_adapter_weights", "iter_merged_weights", "lora_layers", "merged_weight_view", "model_linear_names",
            "peft_lora_config", "plain_config", "qlora_unavailable_reason", "read_adapter_state",
            "target_module_problems", "to_peft_key", "trainable_parameters", "write_adapter_folder"]
