@@ -63,23 +63,30 @@ def open_in_chromium(url: str, tmp_path) -> tuple[str, list[str]]:
     return done.stdout, console
 
 
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory, tiny_model_dir):
+    """A 2-step run on the tiny model, its command line written the verl way."""
+    tmp_path = tmp_path_factory.mktemp("two_step_run")
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "actor_rollout_ref.rollout.n=2",
+                               "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                               "rollout.engine=hf")  # (vLLM: the main job's check, README)
+    assert "note: actor_rollout_ref.rollout.n=2 -> rollout.n=2" in result.stdout
+    assert {m["step"] for m in read_metrics(run_dir)} == {0, 1, 2}
+    return run_dir, result
+
+
 @pytest.mark.skipif(chromium() is None, reason="Debian's chromium is not installed (.ci/run installs it with apt-get; "
                                                "this machine could not)")
-def test_report_of_a_two_step_run_renders_in_chromium(tmp_path, tiny_model_dir):
+def test_report_of_a_two_step_run_renders_in_chromium(tmp_path, two_step_run):
     # The console check can fail: a page with an error is caught.
     bad = tmp_path / "bad.html"
     bad.write_text("<html><body><script>throw new Error('broken page')</script></body></html>")
     _, console = open_in_chromium(bad.as_uri(), tmp_path)
     assert any("broken page" in line for line in console), console
 
-    # A 2-step run, written the verl way, writes its report into the run directory.
-    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "actor_rollout_ref.rollout.n=2",
-                               "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                               "rollout.engine=hf")  # (vLLM: the main job's check, README)
-    assert "note: actor_rollout_ref.rollout.n=2 -> rollout.n=2" in result.stdout
+    # The run wrote its report into the run directory.
+    run_dir, result = two_step_run
     assert f"report: {run_dir / 'report.html'}" in result.stdout
-    steps = {m["step"] for m in read_metrics(run_dir)}
-    assert steps == {0, 1, 2}
     dom, console = open_in_chromium((run_dir / "report.html").as_uri(), tmp_path)
     assert console == [], console
     assert 'data-charts-rendered="' in dom, dom[:2000]
@@ -92,7 +99,10 @@ def test_report_of_a_two_step_run_renders_in_chromium(tmp_path, tiny_model_dir):
     subprocess.run([sys.executable, "-m", "rlframe.report", str(run_dir)], check=True, timeout=120)
     assert (run_dir / "report.html").is_file()
 
-    # python -m rlframe.eval on the run's exported model reproduces its final validation exactly
+
+def test_eval_reproduces_the_final_validation(tmp_path, two_step_run):
+    """python -m rlframe.eval on the run's exported model: the same greedy responses, reward and accuracy."""
+    run_dir, _ = two_step_run
     done = subprocess.run([sys.executable, "-m", "rlframe.eval", f"run={run_dir}", f"out={tmp_path / 'eval.jsonl'}"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -104,4 +114,4 @@ def test_report_of_a_two_step_run_renders_in_chromium(tmp_path, tiny_model_dir):
     validated = [json.loads(line) for line in (run_dir / "validation_samples.jsonl").read_text().splitlines()]
     validated = [row["response"] for row in validated if row["step"] == 2]
     evaluated = [json.loads(line)["response"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    assert evaluated[:len(validated)] == validated  # the same greedy responses, token for token
+    assert validated and evaluated[:len(validated)] == validated  # token for token
