@@ -3,7 +3,7 @@
 - `rlframe/controller/` is a generic runtime: it imports nothing of the RL config, the models,
   the workers or the trainer.
 - No import cycle anywhere in `rlframe` and `workers` (imported as `rlframe.workers`).
-- The wheel carries every package, the recipes and the ready reward functions.
+- The wheel carries every package, the recipes, the ready reward functions and tools.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_wheel_carries_packages_recipes_and_reward_functions(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in ("rlframe/workers/engine/fsdp.py", "rlframe/workers/roles/actor_rollout.py",
                     "rlframe/workers/rollout/factory.py", "rlframe/controller/placement.py",
-                    "rlframe/recipes/grpo_math.yaml", "rlframe/reward_fns/math.py"):
+                    "rlframe/recipes/grpo_math.yaml", "rlframe/reward_fns/math.py", "rlframe/tools/calculator.py"):
         assert package in names, package
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
