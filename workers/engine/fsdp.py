@@ -56,7 +56,8 @@ class FSDPEngine(TrainerEngine):
             self.sp = SequenceParallelGroup.create(sp_size) if sp_size > 1 else None
             self.packed = use_remove_padding(settings.use_remove_padding, profile) or self.sp is not None
             # fp32 master weights; on GPU, FSDP's mixed precision computes in bf16.
-            master_dtype = torch.float32 if (train or not profile.is_gpu) else profile.dtype
+            # (Under LoRA the frozen base needs no fp32 master: bf16 on GPU; peft keeps the adapters in fp32.)
+            master_dtype = torch.float32 if ((train and self.lora is None) or not profile.is_gpu) else profile.dtype
             build = lora_lib.build_qlora_base if qlora else build_causal_lm
             self.model = build(settings.model_path, profile, **({} if qlora else {"dtype": master_dtype}),
                                packed=self.packed, gradient_checkpointing=settings.gradient_checkpointing and train,
