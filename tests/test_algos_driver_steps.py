@@ -18,6 +18,7 @@ from rlframe.protocol import DataProto
 from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
 from rlframe.trainer import algorithm_steps
 from rlframe.trainer.rl_trainer import RLTrainer, reported_accuracy
+from rlframe.trainer.tracking import Tracker
 
 
 def overlong_config(max_len=8, buffer=4, factor=0.5) -> RLConfig:
@@ -148,6 +149,7 @@ class StubTrainer(RLTrainer):
         self.tokenizer, self.pad_token_id, self.phase_times, self.step = StubTokenizer(), 0, {}, 0
         self.val_set = [{"input_ids": [5, 6], "raw_prompt": "p", "ground_truth": truth, "data_source": "d",
                          "extra_info": None, "index": i} for i, truth in enumerate(truths)]
+        self.tracker = Tracker(run_dir, ["jsonl"], "rlframe", "stub", {})
 
 
 def reward_manager(tmp_path, *sources) -> RewardManager:
