@@ -36,7 +36,7 @@ run: install
 	$(BIN)/python -m rlframe.main $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25 tests
 
 # Also the slow end-to-end runs (the real grpo_math learning run: ~12 minutes on 2 cores).
 test-all: install
