@@ -140,7 +140,7 @@ def resolve_model(model: str, work_dir: Path) -> str:
         out = work_dir / f"exported_{checkpoint.name}"
         if not (out / "config.json").is_file():
             print(f"exporting {checkpoint} -> {out}", flush=True)
-            export_checkpoint(checkpoint, out)
+            export_checkpoint(checkpoint, out, merge=True)  # a LoRA checkpoint: its merged model
         return str(out)
     from rlframe.models.provision import resolve_model_path
 

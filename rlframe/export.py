@@ -43,7 +43,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     """Write the actor of `checkpoint` as an HF folder at `out_dir`; returns out_dir.
 
     LoRA checkpoints: the adapter folder, or (`merge`) the merged model; `base` overrides the base
-    model path recorded in the adapter config."""
+    model path recorded in the adapter config. Full-weights checkpoints ignore `merge`."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,9 +54,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     actor = resolve_checkpoint(checkpoint) / "actor"
     if is_adapter_folder(actor):
         return export_adapter(actor, out_dir, dtype, merge, base)
-    if merge or base:
-        raise SystemExit(f"error: --merge/--base are for LoRA checkpoints; {actor} holds full weights "
-                         "(export it without them)")
+    if base:
+        raise SystemExit(f"error: --base is for LoRA checkpoints; {actor} holds full weights (export it without)")
+    # (--merge on a full-weights checkpoint: it is already a plain model)
     config = AutoConfig.from_pretrained(actor)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -214,6 +214,11 @@ def test_adapter_checkpoint_resumes_and_exports(tiny_model_dir, batch, tmp_path)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
     torch.testing.assert_close(response_log_probs(merged, batch)[mask], trainer[mask], rtol=0, atol=1e-5)
 
+    from rlframe.eval import resolve_model  # `python -m rlframe.eval model=<checkpoint>` evaluates the merged model
+
+    evaluated = AutoModelForCausalLM.from_pretrained(resolve_model(str(saved.path), tmp_path / "eval"), dtype=torch.float32)
+    torch.testing.assert_close(response_log_probs(evaluated, batch)[mask], trainer[mask], rtol=0, atol=1e-5)
+
 
 def test_adapter_key_names_round_trip():
     from rlframe.workers.engine.lora import from_peft_key, to_peft_key
