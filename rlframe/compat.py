@@ -311,7 +311,8 @@ def _check_known(key: str, keys: dict[str, bool]) -> None:
             break
     suggestions = closest_keys(key, [k for k in keys])
     hint = f" Did you mean {' or '.join(suggestions)}?" if suggestions else ""
-    raise CompatError(f"unknown config key '{key}'.{hint} (All keys and their meaning: rlframe/config.py.)")
+    raise CompatError(f"unknown config key '{key}'.{hint} Fix: use one of the schema's keys "
+                      "(all keys and their meaning: rlframe/config.py).")
 
 
 # ------------------------------------------------------------------ translation
