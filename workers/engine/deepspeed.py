@@ -370,8 +370,10 @@ class DeepSpeedEngine(TrainerEngine):
                     is_param = isinstance(tensor, torch.nn.Parameter)
                     if master and is_param and self.optimizer is not None and tensor.requires_grad:
                         full = _full_fp32_param(tensor)
-                    else:
+                    elif _is_zero3(tensor):  # (a copy: the gathered storage is freed after the bucket)
                         full = tensor.detach().clone()
+                    else:
+                        full = tensor.detach()
                     yield (name, full, tensor if is_param else None) if with_params else (name, full)
 
     def _set_weights(self, bucket: list[tuple[str, torch.nn.Parameter]], weights: dict[str, torch.Tensor]) -> None:
