@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from rlframe.rng import capture_rng_state, restore_rng_state
 from rlframe.workers.distributed import barrier, rank as _rank, world_size
-from rlframe.workers.engine.lora import is_adapter_folder, read_adapter_state, write_adapter_folder
+from rlframe.workers.engine.lora import (is_adapter_folder, iter_adapter_weights, read_adapter_state,
+                                        write_adapter_folder)
 from rlframe.workers.hf_folder import WEIGHTS_FILE as MODEL_FILE, write_hf_folder
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,13 @@ def save_engine_state(engine, out_dir: str | Path, tokenizer_source: str | None 
     out = Path(out_dir)
     rank = _rank()
     lora = getattr(engine, "lora", None)
-    # Under LoRA only the trainable adapters are saved (the base is frozen: it is the model on disk).
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora is not None)
-    model_state = get_model_state_dict(engine.model, options=full)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if lora is not None:
+        # Only the trainable adapters (the frozen base is the model on disk), gathered one by one (a
+        # collective); bitsandbytes' 4-bit state (QLoRA) never goes through torch's state-dict helpers.
+        model_state = {key: tensor.cpu() for key, tensor in iter_adapter_weights(engine.model)}
+    else:
+        model_state = get_model_state_dict(engine.model, options=full)
     optim_state = get_optimizer_state_dict(engine.model, engine.optimizer, options=full)
     if rank == 0 and lora is not None:
         write_adapter_folder(out, model_state, engine.peft_config, tokenizer_source)
