@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable
 
@@ -72,7 +73,7 @@ class VLLMRollout:
         )
         if profile.is_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
-        self.lora, self.lora_request, self.adapter_dir = lora, None, None
+        self.lora, self.lora_request = lora, None
         if lora is not None:
             if not profile.is_gpu:
                 logger.warning("model.lora.weight_sync=adapter with vLLM on CPU: vLLM's CPU LoRA path gathers the "
@@ -102,14 +103,17 @@ class VLLMRollout:
 
         state = dict(weights)
         self.wake_up(tags=["weights"])
-        if self.adapter_dir is None:
-            self.adapter_dir = tempfile.mkdtemp(prefix="rlframe-adapter-",
-                                                dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        write_adapter_folder(self.adapter_dir, state, peft_lora_config(self.lora, None, adapted_module_suffixes(state)))
         previous = self.lora_request
         version = previous.lora_int_id + 1 if previous is not None else 1
-        self.lora_request = LoRARequest(f"rlframe-policy-{version}", version, self.adapter_dir)
-        self.llm.llm_engine.add_lora(self.lora_request)  # read now, so the sync time includes the load
+        folder = tempfile.mkdtemp(prefix="rlframe-adapter-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            write_adapter_folder(folder, state, peft_lora_config(self.lora, None, adapted_module_suffixes(state)))
+            self.lora_request = LoRARequest(f"rlframe-policy-{version}", version, folder)
+            # vLLM reads the folder now into its adapter cache (one slot, nothing else is added until the
+            # next sync), so the folder can go at once: nothing is left behind in /dev/shm (memory).
+            self.llm.llm_engine.add_lora(self.lora_request)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
         self.llm.reset_prefix_cache()
