@@ -139,7 +139,7 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"  # the trainer engine (workers/engine/): fsdp (FSDP2) | deepspeed (ZeRO); ref and critic too
+    strategy: str = "fsdp"  # the trainer engine (workers/engine/): fsdp (FSDP2) | deepspeed (ZeRO) | megatron; ref and critic too
     world_size: int = 1  # data-parallel ranks of the actor (and colocated rollout / ref)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 8  # prompts per optimiser step (x rollout.n sequences)
@@ -364,6 +364,16 @@ UNHONOURED_DEEPSPEED_KEYS = {
 
 
 @dataclass
+class MegatronConfig:
+    """actor.strategy=megatron (workers/engine/megatron.py): Megatron-core GPT (local layer spec, SDPA
+    attention) for the actor and the reference policy. actor.world_size = TP x PP x CP x data-parallel size."""
+
+    tensor_model_parallel_size: int = 1  # must divide the attention heads and key/value heads
+    pipeline_model_parallel_size: int = 1  # must divide the layers; only 1 is implemented
+    context_parallel_size: int = 1  # only 1 is implemented
+
+
+@dataclass
 class DeepSpeedConfig:
     """actor.strategy=deepspeed (workers/engine/deepspeed.py): DeepSpeed ZeRO for the actor, the reference
     policy and the critic. Keys are named as OpenRLHF's flags, so its users' settings carry over; the
@@ -409,6 +419,7 @@ class RLConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # actor.strategy=deepspeed
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor.strategy=megatron
 
 
 class ConfigError(ValueError):
@@ -524,6 +535,7 @@ def validate_config(cfg: RLConfig) -> None:
     _validate_algorithm(cfg, need)
     _validate_placement(cfg, need)
     _validate_deepspeed(cfg, need)
+    _validate_megatron(cfg, need)
     _validate_lora(cfg, need)
     unknown_loggers = set(cfg.trainer.loggers) - {"console", "jsonl", "wandb", "tensorboard"}
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
@@ -647,8 +659,63 @@ def validate_model_lora(cfg: RLConfig, model_dir: str) -> None:
             problems.append(f"{key}: {message}")
 
     _validate_lora(cfg, need, model_dir)
+    _validate_megatron(cfg, need, model_dir)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> None:
+    """actor.strategy=megatron: the package, the parallel sizes against the world size and against the
+    model (architecture, heads, layers; when its config is on disk: `model_dir`, a folder, or a
+    provisioned embedded model), and what the engine does not run (critic, Ulysses, PP/CP > 1)."""
+    if cfg.actor.strategy != "megatron":  # (the section is ignored, so a recipe can be compared with fsdp)
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        need(False, "actor.strategy", "megatron-core is not installed. Fix: make install (or pip install -e "
+             "'.[megatron]'), or actor.strategy=fsdp")
+        return
+    mg, world = cfg.megatron, cfg.actor.world_size
+    sizes = {"tensor_model_parallel_size": mg.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": mg.pipeline_model_parallel_size,
+             "context_parallel_size": mg.context_parallel_size}
+    for key, size in sizes.items():
+        need(isinstance(size, int) and size >= 1, f"megatron.{key}", f"{size!r}: must be an integer >= 1")
+    if not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
+        return
+    tp, pp, cp = sizes.values()
+    need(world % (tp * pp * cp) == 0, "actor.world_size",
+         f"{world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp} (the rest is data "
+         f"parallelism). Fix: actor.world_size={tp * pp * cp} (or a multiple), or smaller megatron.* sizes")
+    need(cp == 1, "megatron.context_parallel_size",
+         f"{cp}: context parallelism is not implemented by rlframe's megatron engine. Fix: 1")
+    need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
+         "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
+    need(cfg.algorithm.adv_estimator != "gae", "actor.strategy",
+         "the megatron engine has no value head yet (PPO's critic, algorithm.adv_estimator=gae). Fix: a "
+         "critic-free estimator (e.g. algorithm.adv_estimator=grpo), or actor.strategy=fsdp")
+    folder = _local_model_dir(model_dir or cfg.model.path)
+    layers_divide = True
+    if folder is not None:
+        from transformers import AutoConfig
+
+        from rlframe.workers.engine.megatron_convert import architecture_problem
+
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+        problem = architecture_problem(config)
+        need(problem is None, "model.path", str(problem))
+        heads = getattr(config, "num_attention_heads", 0)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        layers = getattr(config, "num_hidden_layers", 0)
+        need(heads % tp == 0 and kv_heads % tp == 0, "megatron.tensor_model_parallel_size",
+             f"{tp} does not divide the model's {heads} attention heads and {kv_heads} key/value heads. "
+             "Fix: a common divisor of both")
+        layers_divide = layers % pp == 0
+        need(layers_divide, "megatron.pipeline_model_parallel_size",
+             f"{pp} does not divide the model's {layers} layers. Fix: a divisor of {layers}")
+    need(pp == 1 or not layers_divide, "megatron.pipeline_model_parallel_size",
+         f"{pp}: pipeline parallelism is not implemented by rlframe's megatron engine yet. Fix: 1")
 
 
 def _local_model_dir(path: str) -> str | None:

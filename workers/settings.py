@@ -80,6 +80,15 @@ class DeepSpeedSettings:
 
 
 @dataclass(frozen=True)
+class MegatronSettings:
+    """The Megatron-core engine's parallel sizes (`workers/engine/megatron.py`; config section `megatron`)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1  # (validated; the engine runs PP=1 only)
+    context_parallel_size: int = 1  # (validated; the engine runs CP=1 only)
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """How a trainer engine builds and shards its model (`workers/engine/`)."""
 
@@ -95,6 +104,7 @@ class EngineSettings:
     offload_optimizer: bool = False  # fsdp: GPU only; deepspeed: ZeRO-Offload (state + step on CPU, CPU Adam)
     optim: OptimSettings | None = None  # None: a frozen model (the reference policy)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)  # strategy=deepspeed only
+    megatron: MegatronSettings = field(default_factory=MegatronSettings)  # strategy=megatron only
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: off (full fine-tuning)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from rlframe.config import OptimConfig, RLConfig, policy_loss_options
 from rlframe.workers.settings import (ActorSettings, CriticSettings, DeepSpeedSettings, DeviceRequest, EngineSettings,
-                                     ForwardSettings, LoraSettings, OptimSettings, PolicyLossSettings, RefSettings,
+                                     ForwardSettings, LoraSettings, MegatronSettings, OptimSettings, PolicyLossSettings,
+                                     RefSettings,
                                      RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop,
                                      MultiTurnSettings)
 
@@ -56,6 +57,13 @@ def deepspeed_settings(cfg: RLConfig) -> DeepSpeedSettings:
         grad_accum_dtype=ds.grad_accum_dtype, gather_bucket_size=ds.gather_bucket_size)
 
 
+def megatron_settings(cfg: RLConfig) -> MegatronSettings:
+    mg = cfg.megatron
+    return MegatronSettings(tensor_model_parallel_size=mg.tensor_model_parallel_size,
+                            pipeline_model_parallel_size=mg.pipeline_model_parallel_size,
+                            context_parallel_size=mg.context_parallel_size)
+
+
 def engine_offload(cfg: RLConfig, role: str) -> dict[str, bool]:
     """offload_params / offload_optimizer of the actor, ref or critic engine.
 
@@ -81,6 +89,7 @@ def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> En
         trust_remote_code=cfg.model.trust_remote_code, use_remove_padding=str(actor.use_remove_padding),
         sequence_parallel_size=actor.ulysses_sequence_parallel_size,
         **engine_offload(cfg, "actor" if train else "ref"), deepspeed=deepspeed_settings(cfg),
+        megatron=megatron_settings(cfg),
         optim=optim_settings(actor.optim, cfg) if train else None,
         lora=lora_settings(cfg) if train else LoraSettings())
 
@@ -165,7 +174,7 @@ def critic_settings(cfg: RLConfig, model_path: str) -> CriticSettings:
     engine = EngineSettings(model_path=model_path, strategy=cfg.actor.strategy, head="value",
                             device=device_request(cfg), gradient_checkpointing=cfg.model.gradient_checkpointing,
                             trust_remote_code=cfg.model.trust_remote_code, deepspeed=deepspeed_settings(cfg),
-                            **engine_offload(cfg, "critic"),
+                            megatron=megatron_settings(cfg), **engine_offload(cfg, "critic"),
                             optim=optim_settings(critic.optim, cfg, head_lr=critic.head_lr))
     mini = critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
     loop = UpdateLoop(mini_batch_size=mini * cfg.rollout.n // world, micro_batch_size=critic.ppo_micro_batch_size_per_device,

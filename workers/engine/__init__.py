@@ -14,7 +14,7 @@ from rlframe.device import DeviceProfile
 from rlframe.workers.engine.base import LossFn, LossOutput, MetricSums, TrainerEngine
 from rlframe.workers.settings import EngineSettings
 
-ENGINES = ("fsdp", "deepspeed")
+ENGINES = ("fsdp", "deepspeed", "megatron")
 
 
 def build_engine(settings: EngineSettings, profile: DeviceProfile, name: str = "actor") -> TrainerEngine:
@@ -26,6 +26,10 @@ def build_engine(settings: EngineSettings, profile: DeviceProfile, name: str = "
         from rlframe.workers.engine.deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(settings, profile, name=name)
+    if settings.strategy == "megatron":
+        from rlframe.workers.engine.megatron import MegatronEngine
+
+        return MegatronEngine(settings, profile, name=name)
     raise ValueError(f"{name}.strategy={settings.strategy!r} is not an engine ({', '.join(ENGINES)})")
 
 
