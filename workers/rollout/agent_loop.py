@@ -18,12 +18,15 @@ the next assistant header, exactly what the template puts after the model's end-
 once, then appended as ids. Nothing is decoded and re-tokenized, so the trainer's log-probs are computed
 on the sampled tokens and `rollout/logprob_abs_diff` compares like with like.
 
-Scheduling (continuous batching by rounds): at each round every trajectory that waits for the model
-goes to the engine in one `generate` call; tool calls run in threads meanwhile, and a trajectory whose
-tool has returned joins the next round. No trajectory waits for another's tool: a slow tool holds back
-only its own trajectory. Within a round, HF `generate` runs the batch until its longest member ends;
-vLLM schedules the round's sequences with its own continuous batching, but the call is still blocking,
-so a tool that finishes mid-round waits for the round to end (a true async engine would remove that).
+Scheduling. On vLLM (continuous batching at the request level, `VLLMStepper`): each model turn is one
+engine request; the loop steps the engine and handles a turn the moment it finishes (parse, start its
+tools in threads or ask the environment), and submits the trajectory's next turn as soon as its
+observation is in, while the engine keeps decoding the other trajectories' turns. No trajectory waits
+for the slowest of its batch, for another's tool, or for a round to end. On the HF engine (`generate`
+is one blocking batch call) the loop runs by rounds: every trajectory waiting for the model goes to
+one `generate` call, tools run in threads meanwhile, and a trajectory whose tools have returned joins
+the next round: a slow tool holds back only its own trajectory, but within a round a short turn waits
+for the longest one. `scheduling = "rounds"` forces rounds on any engine (for comparisons).
 
 Per row the loop also returns (non-tensor) `agent_turns`, `agent_tool_calls`, `agent_calls_by_tool`,
 `agent_tool_errors`, `agent_end` ("answer" | "turn_limit" | "budget" | "env_error") and, with an
@@ -33,6 +36,7 @@ metrics and adds the environment's reward to the score.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -43,6 +47,7 @@ from rlframe.protocol import DataProto
 from rlframe.workers.rollout.tools import (Tool, ToolCallRun, ToolResult, call_with_deadline, get_parser,
                                           load_environment, load_tool, tool_prompt)
 
+logger = logging.getLogger(__name__)
 END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR = "answer", "turn_limit", "budget", "env_error"
 
 
@@ -67,6 +72,7 @@ class Trajectory:
     turn_rewards: list = field(default_factory=list)  # the environment's reward after each model turn
     env_errors: int = 0
     calls_by_tool: dict = field(default_factory=dict)
+    ended_s: float | None = None  # seconds from the start of the rollout to the loop's seeing its end
 
     @property
     def remaining(self) -> int:
@@ -134,7 +140,10 @@ class AgentLoop:
         self.environment = load_environment(*settings.environment) if settings.environment else None
         self.prefix = (self.renderer.system_ids(tool_prompt(self.tools, settings.format))
                        if settings.tool_prompt and self.tools else [])
-        self.engine_calls = 0  # rounds that reached the engine (for tests and timing)
+        self.engine_calls = 0  # rounds that reached the engine (round scheduling; for tests and timing)
+        # "auto": continuous batching where the engine has a request-level interface (vLLM), else rounds (HF);
+        # "rounds" forces rounds (for comparisons: examples/benchmark/agent_scheduling.py)
+        self.scheduling = getattr(settings, "scheduling", "auto")
 
     # ------------------------------------------------------------------ the loop
     def run(self, prompts: DataProto, sampling) -> DataProto:
@@ -145,25 +154,89 @@ class AgentLoop:
             rows = prompts.non_tensor_batch.get("env_row")
             for t in trajectories:
                 self.start_environment(t, None if rows is None else rows[t.index])
+        stepper = self.stepper_for(self.engine) if self.scheduling != "rounds" else None
+        self.started = time.monotonic()
+        if stepper is not None:
+            self.run_continuous(trajectories, sampling, stepper)
+        else:
+            self.run_rounds(trajectories, sampling)
+        self.stamp(trajectories)
+        self.last_trajectories = trajectories  # for benchmarks (examples/benchmark/agent_scheduling.py)
+        out = self.to_batch(trajectories, prompts, budget)
+        out.meta_info["agent/scheduling"] = "continuous" if stepper is not None else "rounds"
+        out.non_tensor_batch["agent_continuous"] = np.array([stepper is not None] * len(trajectories), dtype=object)
+        return out
+
+    @staticmethod
+    def stepper_for(engine):
+        """The engine's request-level interface (continuous batching), or None (rounds): an engine may
+        offer `agent_stepper()` itself; vLLM's engine gets VLLMStepper."""
+        if hasattr(engine, "agent_stepper"):
+            return engine.agent_stepper()
+        if hasattr(engine, "llm") and hasattr(getattr(engine, "llm"), "llm_engine"):
+            return VLLMStepper(engine)
+        return None
+
+    def stamp(self, trajectories: list[Trajectory]) -> None:
+        now = time.monotonic() - self.started
+        for t in trajectories:
+            if t.end is not None and t.ended_s is None:
+                t.ended_s = now
+
+    def run_rounds(self, trajectories: list[Trajectory], sampling) -> None:
+        """Round-based batching (engines with a blocking batch `generate` only, e.g. HF): every trajectory
+        waiting for the model goes to one `generate` call; tools run in threads meanwhile."""
         waiting_for_model = [t for t in trajectories if t.end is None]
         with_tools: list[Trajectory] = []
         while waiting_for_model or with_tools:
             if waiting_for_model:
                 self.model_round(waiting_for_model, sampling)
+                self.stamp(waiting_for_model)
                 with_tools += [t for t in waiting_for_model if t.end is None]
                 waiting_for_model = []
             # trajectories whose tools have all returned go back to the model; wait only when nothing else can run
             while with_tools and not waiting_for_model:
-                ready = [t for t in with_tools if all(run.done() for run in t.pending)]
+                ready = self.collect_observed(with_tools)
                 if not ready:
                     time.sleep(0.005)
-                    continue
-                for t in ready:
-                    with_tools.remove(t)
-                    self.observe(t)
+                waiting_for_model += ready
+            self.stamp(trajectories)
+
+    def run_continuous(self, trajectories: list[Trajectory], sampling, stepper) -> None:
+        """Continuous batching at the request level: a trajectory's next turn is submitted to the engine
+        as soon as its observation is in, while the engine keeps decoding the other trajectories' turns;
+        a turn that ends is handled at once (no waiting for the rest of the batch, nor for other tools)."""
+        per_turn = self.settings.max_tokens_per_turn
+        ready = [t for t in trajectories if t.end is None]
+        in_engine: dict[int, Trajectory] = {}
+        with_tools: list[Trajectory] = []
+        while ready or in_engine or with_tools:
+            for t in ready:
+                cap = min(t.remaining, per_turn) if per_turn > 0 else t.remaining
+                stepper.submit(t.index, t.prompt + t.tokens, replace(sampling, max_new_tokens=cap))
+                in_engine[t.index] = t
+            ready = []
+            if in_engine:
+                for key, tokens, log_probs in stepper.step():
+                    t = in_engine.pop(key)
+                    self.finish_turn(t, tokens, log_probs)
                     if t.end is None:
-                        waiting_for_model.append(t)
-        return self.to_batch(trajectories, prompts, budget)
+                        with_tools.append(t)
+            elif with_tools:
+                time.sleep(0.002)  # only tools are running
+            ready = self.collect_observed(with_tools)
+            self.stamp(trajectories)
+
+    def collect_observed(self, with_tools: list[Trajectory]) -> list[Trajectory]:
+        """Trajectories whose tool calls have all returned: their observations appended; those that can
+        continue are returned (to go back to the model)."""
+        back = []
+        for t in [t for t in with_tools if all(run.done() for run in t.pending)]:
+            with_tools.remove(t)
+            self.observe(t)
+            if t.end is None:
+                back.append(t)
+        return back
 
     def model_round(self, batch: list[Trajectory], sampling) -> None:
         """One engine call for every trajectory waiting for the model; each then ends or starts its tools."""
@@ -177,36 +250,45 @@ class AgentLoop:
         responses, mask, lps = out.batch["responses"], out.batch["response_mask"], out.batch["rollout_log_probs"]
         for row, t in enumerate(batch):
             length = int(mask[row].sum())
-            tokens = responses[row, :length].tolist()[: t.remaining]
-            t.append(tokens, trained=True, log_probs=lps[row, : len(tokens)].tolist())
-            t.turns += 1
-            t.turn_open = not tokens or tokens[-1] not in self.eos_ids
-            if t.turn_open and (not tokens or t.remaining <= 0 or per_turn <= 0 or len(tokens) < per_turn):
-                t.end = END_BUDGET  # cut by the budget before its end-of-turn
-                continue
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            calls = self.parse(text, self.tools) if self.tools else []
-            if not calls and t.env is not None:
-                self.environment_step(t, text)
-            elif not calls:
-                t.end = END_ANSWER
-            elif t.turns >= self.settings.max_turns:
-                t.end = END_TURN_LIMIT
-            else:
-                t.tool_calls += len(calls)
-                for call in calls:
-                    t.calls_by_tool[call.name or "(malformed)"] = t.calls_by_tool.get(call.name or "(malformed)", 0) + 1
-                t.pending = [ToolCallRun(self.tools.get(c.name), c, self.settings.tool_timeout_s, list(self.tools))
-                             for c in calls]
+            self.finish_turn(t, responses[row, :length].tolist(), lps[row, :length].tolist())
+
+    def finish_turn(self, t: Trajectory, tokens: list[int], log_probs: list[float]) -> None:
+        """A model turn's tokens (as sampled) appended; the trajectory then ends, waits for the
+        environment's feedback, or starts its tool calls."""
+        per_turn = self.settings.max_tokens_per_turn
+        tokens = tokens[: t.remaining]
+        t.append(tokens, trained=True, log_probs=log_probs[: len(tokens)])
+        t.turns += 1
+        t.turn_open = not tokens or tokens[-1] not in self.eos_ids
+        if t.turn_open and (not tokens or t.remaining <= 0 or per_turn <= 0 or len(tokens) < per_turn):
+            t.end = END_BUDGET  # cut by the budget before its end-of-turn
+            return
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        calls = self.parse(text, self.tools) if self.tools else []
+        if not calls and t.env is not None:
+            self.environment_step(t, text)
+        elif not calls:
+            t.end = END_ANSWER
+        elif t.turns >= self.settings.max_turns:
+            t.end = END_TURN_LIMIT
+        else:
+            t.tool_calls += len(calls)
+            for call in calls:
+                t.calls_by_tool[call.name or "(malformed)"] = t.calls_by_tool.get(call.name or "(malformed)", 0) + 1
+            t.pending = [ToolCallRun(self.tools.get(c.name), c, self.settings.tool_timeout_s, list(self.tools))
+                         for c in calls]
 
     def start_environment(self, t: Trajectory, row) -> None:
         """A fresh environment for the trajectory; one that raises in `reset` ends it (counted)."""
         env, error = call_with_deadline(self.environment, self.settings.tool_timeout_s)
+        where = "__init__"
         if error is None:
+            where = "reset"
             _, error = call_with_deadline(env.reset, self.settings.tool_timeout_s, row)
         if error is not None:
             t.env_errors += 1
             t.end = END_ENV_ERROR
+            self.warn_environment(where, error)
         t.env = env
 
     def environment_step(self, t: Trajectory, text: str) -> None:
@@ -222,12 +304,23 @@ class AgentLoop:
         if error is not None:
             t.env_errors += 1
             t.end = END_ENV_ERROR
+            self.warn_environment("step", error)
         elif done or observation is None:
             t.end = END_ANSWER
         elif t.turns >= self.settings.max_turns:
             t.end = END_TURN_LIMIT
         else:
             t.env_feedback = str(observation)
+
+    def warn_environment(self, method: str, error: str) -> None:
+        """An environment's failure ends its trajectory (counted in agent/env_error_rate); its message is
+        logged once per distinct text (a few at most), naming the file, class and method."""
+        seen = self.__dict__.setdefault("_env_warnings", set())
+        if error not in seen and len(seen) < 5:
+            seen.add(error)
+            path, name = self.settings.environment
+            logger.warning("environment %s:%s.%s failed (%s); the trajectory ends, counted in agent/env_error_rate",
+                           path, name, method, error)
 
     def observe(self, t: Trajectory) -> None:
         """Append the finished tool calls' observations (one tool message each) or the environment's
@@ -286,6 +379,58 @@ class AgentLoop:
         return out
 
 
+class VLLMStepper:
+    """Request-level access to a VLLMRollout's engine (continuous batching): `submit` adds one request
+    (token ids in), `step` runs one engine step (vLLM schedules every unfinished request together, new
+    ones joining at once) and returns the requests that finished in it as (key, token ids, log-probs).
+
+    Sampling parameters as VLLMRollout.generate builds them (the temperature-scaled, processed log-probs of
+    the sampled tokens); the engine's current LoRA adapter, if any, applies."""
+
+    def __init__(self, rollout):
+        self.rollout, self.llm = rollout, rollout.llm
+        self.engine = self.llm.llm_engine
+        self.keys: dict[str, object] = {}
+        self.counter = 0
+        self.steps = 0
+        if hasattr(rollout, "wake_up"):
+            rollout.wake_up(tags=["weights", "kv_cache"])
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("the vLLM engine has unfinished requests; the agent loop needs it to itself")
+
+    def params(self, sampling):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(n=1, max_tokens=max(1, sampling.max_new_tokens), logprobs=0,
+                              temperature=sampling.temperature, top_p=sampling.top_p if not sampling.greedy else 1.0,
+                              top_k=sampling.top_k if not sampling.greedy else -1,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def submit(self, key, token_ids: list[int], sampling) -> None:
+        request_id = f"agent-{self.counter}"
+        self.counter += 1
+        prompt = {"prompt_token_ids": list(token_ids)}
+        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # vLLM's own rendering of a token prompt
+        if render is not None:
+            prompt = render(prompt)
+        self.engine.add_request(request_id, prompt, self.params(sampling),
+                                lora_request=getattr(self.rollout, "lora_request", None))
+        self.keys[request_id] = key
+
+    def step(self) -> list[tuple[object, list[int], list[float]]]:
+        finished = []
+        self.steps += 1
+        for out in self.engine.step():
+            if not out.finished or out.request_id not in self.keys:
+                continue
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            log_probs = [lp[token].logprob for lp, token in zip(completion.logprobs, tokens)]
+            finished.append((self.keys.pop(out.request_id), tokens, log_probs))
+        return finished
+
+
 def object_array(values: list) -> np.ndarray:
     """A 1-D object array of arbitrary values (lists stay lists, whatever their lengths)."""
     out = np.empty(len(values), dtype=object)
@@ -325,6 +470,8 @@ def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask
     for by_tool in non_tensors.get("agent_calls_by_tool", []):
         for name, count in by_tool.items():
             metrics[f"agent/tool_calls/{name}"] = metrics.get(f"agent/tool_calls/{name}", 0.0) + count / len(turns)
+    if "agent_continuous" in non_tensors:  # 1: continuous batching (vLLM), 0: rounds (HF)
+        metrics["agent/continuous_batching"] = float(np.mean(np.asarray(non_tensors["agent_continuous"], dtype=float)))
     if "agent_env_errors" in non_tensors:
         metrics["agent/env_error_rate"] = float(np.mean([e > 0 for e in non_tensors["agent_env_errors"]]))
         metrics["agent/env_reward_mean"] = float(np.mean(np.asarray(non_tensors["agent_env_reward"], dtype=float)))

@@ -87,17 +87,18 @@ def resolve_tool_path(path: str) -> Path:
     return candidate
 
 
-def _import_tool_file(path: Path):
+def _import_tool_file(path: Path, what: str = "tool"):
+    """`what` names what is being loaded (e.g. "tool 'calculator'") for the error messages."""
     if not path.is_file():
-        raise ToolLoadError(f"tool file not found: {path}. Point rollout.multi_turn.tools[i].path at an existing "
-                            "Python file, e.g. tools/calculator.py")
+        raise ToolLoadError(f"{what}: file not found: {path}. Point its path at an existing Python file, "
+                            "e.g. tools/calculator.py")
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     module_name = f"rlframe_tool_{path.stem}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ToolLoadError(f"cannot import tool file {path}: not a Python source file")
+        raise ToolLoadError(f"{what}: cannot import {path}: not a Python source file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
@@ -106,7 +107,8 @@ def _import_tool_file(path: Path):
         sys.modules.pop(module_name, None)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise ToolLoadError(f"importing tool file {path} failed:\n{traceback.format_exc()}") from exc
+        raise ToolLoadError(f"{what}: importing {path} failed ({type(exc).__name__}: {exc}). Fix the file; "
+                            f"its traceback:\n{traceback.format_exc(limit=-3)}") from exc
     return module
 
 
@@ -131,7 +133,7 @@ def check_schema(schema: object, where: str) -> None:
 def load_tool(path: str, name: str) -> Tool:
     """Import `path` and return its function `name` with the schema `TOOL_SCHEMAS[name]`."""
     resolved = resolve_tool_path(path)
-    module = _import_tool_file(resolved)
+    module = _import_tool_file(resolved, f"tool '{name}'")
     function = getattr(module, name, None)
     if not callable(function):
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
@@ -201,7 +203,7 @@ def get_parser(fmt: str) -> Callable[[str, dict[str, Tool]], list[ToolCall]]:
     if not path or not name:
         raise ToolLoadError(f"'{fmt}' is neither a built-in tool-call format ({', '.join(TOOL_CALL_PARSERS)}) "
                             "nor path/to/parser.py:function")
-    module = _import_tool_file(resolve_tool_path(path))
+    module = _import_tool_file(resolve_tool_path(path), f"tool-call parser '{name}'")
     parser = getattr(module, name, None)
     if not callable(parser):
         raise ToolLoadError(f"tool-call parser file {path} has no function '{name}'")
@@ -295,7 +297,7 @@ def load_environment(path: str, name: str):
     """The environment class `name` of the file `path`: `reset(row) -> None` and
     `step(model_text) -> (observation | None, reward, done)` (see reward_fns-like ready ones in tools/)."""
     resolved = resolve_tool_path(path)
-    module = _import_tool_file(resolved)
+    module = _import_tool_file(resolved, f"environment '{name}'")
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise ToolLoadError(f"environment file {resolved} has no class '{name}'")
