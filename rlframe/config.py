@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rlframe.stages.config import STAGES, DPOConfig, PairGenerationConfig, RewardTrainingConfig, SFTConfig
+
 
 @dataclass
 class LoraConfig:
@@ -238,6 +240,11 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     val_temperature: float = 0.0  # greedy validation
+    # Seed every training sample's sampling from (trainer.seed, step, prompt uid, sample index), so that a
+    # resumed run samples the same tokens with vLLM (whose engine RNG is not checkpointed) as without
+    # the interruption. Costs vLLM a per-request generator in its sampler (small on CPU; on GPU at
+    # thousands of concurrent requests, turn it off if exact resume does not matter to you).
+    seed_each_sample: bool = True
     gpu_memory_utilization: float = 0.4
     cpu_kv_cache_gib: int = 1
     enable_prefix_caching: bool = True
@@ -350,6 +357,11 @@ class TrainerConfig:
     # Non-finite loss or gradient norm: the optimiser step is skipped; after this many in a row
     # the run stops naming the step and micro-batch.
     max_consecutive_skipped_updates: int = 3
+    # The pre-flight memory plan (rlframe/plan.py, `python -m rlframe.plan`), printed before workers
+    # start: error = refuse a plan that does not fit (naming the role, device and settings that fit) |
+    # warn = print the problem and run | off = no plan.
+    memory_check: str = "error"
+    device_memory_gib: Optional[float] = None  # one device's memory for the plan (default: measured here)
 
 
 # OpenRLHF's DeepSpeed flags that rlframe does not implement: key -> what it is (set, it is an error).
@@ -420,6 +432,12 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # actor.strategy=deepspeed
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor.strategy=megatron
+    # The stage a recipe runs (rlframe/stages/): rl (this loop) | sft | dpo | rm; their sections below.
+    stage: str = "rl"
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    rm: RewardTrainingConfig = field(default_factory=RewardTrainingConfig)
+    pairs: PairGenerationConfig = field(default_factory=PairGenerationConfig)
 
 
 class ConfigError(ValueError):
@@ -471,6 +489,10 @@ def validate_config(cfg: RLConfig) -> None:
     need(rollout.engine in ("auto", "vllm", "hf"), "rollout.engine",
          f"'{rollout.engine}' is not one of auto, vllm, hf")
     need(rollout.n >= 1, "rollout.n", "must be >= 1")
+    need(cfg.trainer.memory_check in ("error", "warn", "off"), "trainer.memory_check",
+         f"'{cfg.trainer.memory_check}' is not one of error, warn, off")
+    need(cfg.trainer.device_memory_gib is None or cfg.trainer.device_memory_gib > 0, "trainer.device_memory_gib",
+         "must be > 0 GiB (or null: measured on this machine)")
     need(cfg.algorithm.adv_estimator not in GROUP_ESTIMATORS or rollout.n >= 2, "rollout.n",
          f"{cfg.algorithm.adv_estimator} compares samples of one prompt (with one, every advantage is 0): "
          "set rollout.n >= 2")
@@ -537,10 +559,44 @@ def validate_config(cfg: RLConfig) -> None:
     _validate_deepspeed(cfg, need)
     _validate_megatron(cfg, need)
     _validate_lora(cfg, need)
+    _validate_stage(cfg, need)
     unknown_loggers = set(cfg.trainer.loggers) - {"console", "jsonl", "wandb", "tensorboard"}
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _validate_stage(cfg: RLConfig, need) -> None:
+    """stage and the sft / dpo / rm / pairs sections (rlframe/stages/)."""
+    from rlframe.algos.preference import PREFERENCE_LOSSES
+
+    need(cfg.stage in STAGES, "stage", f"'{cfg.stage}' is not one of {', '.join(STAGES)}")
+    world = max(cfg.actor.world_size, 1)
+    sft, dpo, rm, pairs = cfg.sft, cfg.dpo, cfg.rm, cfg.pairs
+    if cfg.stage == "sft":
+        need(sft.loss_on in ("response", "all"), "sft.loss_on", f"'{sft.loss_on}' is not response or all")
+        need(sft.epochs >= 1, "sft.epochs", "must be >= 1")
+        need(sft.max_length >= 2, "sft.max_length", "must be >= 2")
+        need(sft.batch_size >= world and sft.batch_size % world == 0, "sft.batch_size",
+             f"{sft.batch_size} sequences do not split over actor.world_size={world} ranks. Fix: a multiple of it")
+        need(sft.micro_batch_size >= 1, "sft.micro_batch_size", "must be >= 1")
+    if cfg.stage in ("dpo", "rm"):
+        batch = dpo.batch_size if cfg.stage == "dpo" else rm.batch_size
+        need(batch >= world and batch % world == 0, f"{cfg.stage}.batch_size",
+             f"{batch} pairs do not split over actor.world_size={world} ranks. Fix: a multiple of it")
+        need((dpo.epochs if cfg.stage == "dpo" else rm.epochs) >= 1, f"{cfg.stage}.epochs", "must be >= 1")
+        need(pairs.n >= 2, "pairs.n", "a pair needs at least 2 samples per prompt")
+        need(pairs.prompts >= 0 and pairs.batch_size >= 1, "pairs.prompts", "pairs.prompts >= 0, pairs.batch_size >= 1")
+    if cfg.stage == "dpo":
+        need(dpo.loss in PREFERENCE_LOSSES, "dpo.loss", f"'{dpo.loss}' is not one of {', '.join(PREFERENCE_LOSSES)}")
+        need(dpo.beta > 0, "dpo.beta", "must be > 0")
+        need(0.0 <= dpo.label_smoothing < 0.5, "dpo.label_smoothing", "must be in [0, 0.5)")
+        need(dpo.label_smoothing == 0.0 or dpo.loss == "sigmoid", "dpo.label_smoothing",
+             f"only the sigmoid loss reads it (dpo.loss={dpo.loss}). Fix: dpo.label_smoothing=0")
+    if cfg.stage != "rl":
+        need(cfg.model.lora.rank == 0, "model.lora.rank", f"stage={cfg.stage} trains full weights here. Fix: model.lora.rank=0")
+        need(cfg.trainer.placement == "colocated", "trainer.placement",
+             f"stage={cfg.stage} runs colocated. Fix: trainer.placement=colocated")
 
 
 def _validate_algorithm(cfg: RLConfig, need) -> None:

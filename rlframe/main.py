@@ -142,7 +142,6 @@ def run(cfg: RLConfig) -> dict:
     from transformers import AutoTokenizer
 
     from rlframe.models.provision import resolve_model_path
-    from rlframe.trainer.rl_trainer import RLTrainer
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.run_dir or f"runs/{cfg.trainer.experiment_name}-{stamp}").resolve()
@@ -150,11 +149,15 @@ def run(cfg: RLConfig) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     print(f"run directory: {run_dir}", flush=True)
     model_path = resolve_model_path(cfg.model.path)
-    if cfg.model.lora.rank > 0:  # target modules against the provisioned model, before any worker starts
-        try:
+    try:
+        if cfg.model.lora.rank > 0:  # target modules against the provisioned model, before any worker starts
             validate_model_lora(cfg, model_path)
-        except ConfigError as err:
-            raise UsageError(str(err)) from None
+        if cfg.trainer.memory_check != "off":  # per-device memory of every role; refuse what cannot fit
+            from rlframe.memory_plan import check_memory
+
+            check_memory(cfg, model_path)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
     init_ray(cfg)
@@ -167,13 +170,15 @@ def run(cfg: RLConfig) -> dict:
         check_cluster(cluster_request(cfg, nodes), nodes)
     except ClusterTooSmall as err:
         raise UsageError(str(err)) from None
-    trainer = RLTrainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)
+    from rlframe.stages.run import make_trainer
+
+    trainer = make_trainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)  # by cfg.stage
     try:
         summary = trainer.fit()
     finally:
         trainer.close()
     before, after = summary["val_before"], summary["val_after"]
-    if before and after:
+    if before.get("val/reward_mean") is not None and after.get("val/reward_mean") is not None:
         print(f"validation reward: {before['val/reward_mean']:.3f} -> {after['val/reward_mean']:.3f}; "
               f"accuracy: {before['val/accuracy']:.3f} -> {after['val/accuracy']:.3f}")
     if "hf_model" in summary:

