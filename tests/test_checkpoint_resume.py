@@ -1,9 +1,10 @@
 """Exact resume, end to end: a run killed with SIGKILL (driver, Ray and workers) after the step that
 follows a checkpoint, resumed with trainer.resume=auto, ends bit-identical to an uninterrupted run.
 
-Uses the HF generate engine on CPU: its sampling draws from the torch RNG that the checkpoint saves
-and restores. vLLM's sampler keeps its own generator state inside the engine, which is not
-checkpointed, so with rollout.engine=vllm a resumed run continues correctly but samples other tokens.
+With both rollout engines: HF generate draws from the torch RNG that the checkpoint saves and
+restores; vLLM keeps its generator state inside the engine (not checkpointed), so every training
+sample carries its own seed, derived from (trainer.seed, step, prompt uid, sample index)
+(`rollout.seed_each_sample`, rlframe/rng.py) -- the resumed run samples the same tokens.
 Timing figures (timing/*, perf/*, weight_sync/seconds) are excluded from the comparison; every other
 metric and every weight must be equal bit for bit (fp32 on CPU, same world size, same order of
 operations).
@@ -18,16 +19,17 @@ import sys
 import time
 
 import psutil
+import pytest
 from safetensors.torch import load_file
 
-from conftest import TINY_RUN_OVERRIDES, read_metrics, run_main
+from conftest import TINY_RUN_OVERRIDES, read_metrics, run_main, vllm_installed
 
 REWARD = os.path.join(os.path.dirname(__file__), "length_reward.py")
 TOTAL = 5
 
 
-def overrides(model_dir, run_dir, *extra):
-    return ["recipe=grpo_math", *TINY_RUN_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", "rollout.engine=hf",
+def overrides(model_dir, run_dir, engine, *extra):
+    return ["recipe=grpo_math", *TINY_RUN_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", f"rollout.engine={engine}",
             f"trainer.total_steps={TOTAL}", "trainer.save_every=2", "trainer.max_checkpoints_to_keep=0",
             "trainer.val_before_train=false", "actor.optim.lr=1e-3", f"reward.functions=[{{path:{REWARD}}}]",
             "trainer.export_hf=true", *extra]
@@ -51,17 +53,19 @@ def kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    not vllm_installed(), reason="vLLM is not installed"))])
+def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir, engine):
     # 1. the reference: N steps uninterrupted
     ref_dir = tmp_path / "reference"
-    result = run_main(overrides(tiny_model_dir, ref_dir), cwd=tmp_path)
+    result = run_main(overrides(tiny_model_dir, ref_dir, engine), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
 
     # 2. the same run, killed with SIGKILL as soon as step 3 (after checkpoint step_2) is logged
     run_dir = tmp_path / "killed"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlframe.main", *overrides(tiny_model_dir, run_dir)],
+        proc = subprocess.Popen([sys.executable, "-m", "rlframe.main", *overrides(tiny_model_dir, run_dir, engine)],
                                 cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 300
@@ -80,7 +84,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir):
     assert not (run_dir / "summary.json").exists()
 
     # 3. resume: trainer.resume=auto picks the newest complete checkpoint
-    resumed = run_main(overrides(tiny_model_dir, run_dir, "trainer.resume=auto"), cwd=tmp_path)
+    resumed = run_main(overrides(tiny_model_dir, run_dir, engine, "trainer.resume=auto"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     newest = max(int(name.split("_")[1]) for name in checkpoints)
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{newest}'} (step {newest})" in resumed.stdout

@@ -40,6 +40,7 @@ from rlframe.data.dataset import RLDataset, collate_prompts
 from rlframe.data.sampler import StatefulSampler
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
+from rlframe.rng import sample_seeds
 from rlframe.trainer import algorithm_steps, checkpoint, fault
 from rlframe.trainer.launch import Workers, start_workers
 from rlframe.trainer.tracking import Tracker
@@ -314,6 +315,8 @@ class RLTrainer:
         baseline = self.greedy_baseline(batch, prompts) if cfg.algorithm.adv_estimator == "remax" else None
         prompts = prompts.repeat(cfg.rollout.n, interleave=True)
         batch = batch.repeat(cfg.rollout.n, interleave=True)
+        if cfg.rollout.seed_each_sample:  # sampling independent of the engine's RNG history: exact resume
+            prompts.non_tensor_batch["sample_seed"] = sample_seeds(cfg.trainer.seed, step, batch.non_tensor_batch["uid"])
         with self.timed("rollout"):
             batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=timeouts.rollout))
         with self.timed("reward"):

@@ -123,12 +123,15 @@ class VLLMRollout:
         from vllm import SamplingParams
 
         self.wake_up(tags=["weights", "kv_cache"])
-        params = SamplingParams(
-            n=1, max_tokens=sampling.max_new_tokens, logprobs=0,
-            temperature=sampling.temperature, top_p=sampling.top_p if not sampling.greedy else 1.0,
-            top_k=sampling.top_k if not sampling.greedy else -1,
-        )
+        options = dict(n=1, max_tokens=sampling.max_new_tokens, logprobs=0, temperature=sampling.temperature,
+                       top_p=sampling.top_p if not sampling.greedy else 1.0,
+                       top_k=sampling.top_k if not sampling.greedy else -1)
         requests = [{"prompt_token_ids": ids} for ids in unpadded_prompts(prompts)]
+        seeds = prompts.non_tensor_batch.get("sample_seed")
+        if seeds is not None and not sampling.greedy:  # one generator per sample: resume samples the same tokens
+            params = [SamplingParams(**options, seed=int(seed)) for seed in seeds]
+        else:
+            params = SamplingParams(**options)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         responses, log_probs = [], []
         for out in outputs:
