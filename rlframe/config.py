@@ -256,6 +256,9 @@ class RolloutConfig:
     # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.
     world_size: Optional[int] = None
     weight_bucket_mb: int = 64  # bucket size of that broadcast
+    # Tensor-parallel vLLM: each engine spans this many consecutive ranks (colocated: of the actor's
+    # world; disaggregated: of rollout.world_size), for policies too large for one device's engine.
+    tensor_parallel_size: int = 1
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
@@ -348,6 +351,11 @@ class TrainerConfig:
     # `save_every` steps and at the last step; 0 = none at all.
     save_every: int = 0
     max_checkpoints_to_keep: int = 2  # older complete checkpoints are deleted; 0 = keep all
+    # full: every rank's shard gathered into one HF safetensors file + a full optimizer file (loads in
+    # transformers as it is; needs the whole model in one rank's CPU memory) | sharded: each rank writes
+    # its own shards with torch.distributed.checkpoint (no gather: for models that do not fit one
+    # host); resumes at any world size, `python -m rlframe.export` turns it into an HF folder.
+    checkpoint_format: str = "full"
     # auto: continue from the newest complete checkpoint in run_dir (a fresh start when there is
     # none) | disable: always start fresh | a path to one checkpoint folder (step_N).
     resume: str = "auto"
@@ -489,6 +497,24 @@ def validate_config(cfg: RLConfig) -> None:
     need(rollout.engine in ("auto", "vllm", "hf"), "rollout.engine",
          f"'{rollout.engine}' is not one of auto, vllm, hf")
     need(rollout.n >= 1, "rollout.n", "must be >= 1")
+    tp = rollout.tensor_parallel_size
+    engine_ranks = actor.world_size if cfg.trainer.placement == "colocated" else (rollout.world_size or actor.world_size)
+    need(tp >= 1 and engine_ranks % max(tp, 1) == 0, "rollout.tensor_parallel_size",
+         f"{tp} must be >= 1 and divide the {engine_ranks} ranks that run rollout engines "
+         f"({'actor.world_size' if cfg.trainer.placement == 'colocated' else 'rollout.world_size'}). Fix: a divisor of it")
+    need(tp == 1 or rollout.engine != "hf", "rollout.tensor_parallel_size",
+         "the HF generate engine has no tensor parallelism. Fix: rollout.engine=vllm (or auto)")
+    need(tp == 1 or not rollout.multi_turn.enable, "rollout.tensor_parallel_size",
+         "multi-turn rollouts schedule turns as tools return, which differs between ranks; the ranks of a "
+         "tensor-parallel engine must submit identical requests. Fix: rollout.tensor_parallel_size=1")
+    need(tp == 1 or cfg.model.lora.weight_sync != "adapter" or cfg.model.lora.rank == 0, "rollout.tensor_parallel_size",
+         "adapter-only weight sync is not wired for tensor-parallel engines. Fix: model.lora.weight_sync=merged")
+    need(cfg.trainer.checkpoint_format in ("full", "sharded"), "trainer.checkpoint_format",
+         f"'{cfg.trainer.checkpoint_format}' is not one of full, sharded")
+    need(cfg.trainer.checkpoint_format == "full" or (actor.strategy == "fsdp" and cfg.model.lora.rank == 0),
+         "trainer.checkpoint_format",
+         "sharded checkpoints are written by the FSDP engine for full fine-tuning (a LoRA checkpoint holds "
+         "only the small adapters; DeepSpeed gathers a bucket at a time). Fix: trainer.checkpoint_format=full")
     need(cfg.trainer.memory_check in ("error", "warn", "off"), "trainer.memory_check",
          f"'{cfg.trainer.memory_check}' is not one of error, warn, off")
     need(cfg.trainer.device_memory_gib is None or cfg.trainer.device_memory_gib > 0, "trainer.device_memory_gib",

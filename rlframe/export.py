@@ -44,12 +44,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     LoRA checkpoints: the adapter folder, or (`merge`) the merged model; `base` overrides the base
     model path recorded in the adapter config. Full-weights checkpoints ignore `merge`."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from rlframe.workers.engine.lora import is_adapter_folder
-    from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
 
     actor = resolve_checkpoint(checkpoint) / "actor"
     if is_adapter_folder(actor):
@@ -57,14 +52,35 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     if base:
         raise SystemExit(f"error: --base is for LoRA checkpoints; {actor} holds full weights (export it without)")
     # (--merge on a full-weights checkpoint: it is already a plain model)
+    return export_actor_folder(actor, out_dir, dtype)
+
+
+def export_actor_folder(actor: Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """A checkpoint's full-weights actor folder (gathered safetensors or DCP shards) -> an HF folder."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlframe.workers.engine.checkpoint import SHARDED_DIR, read_sharded_model_state
+    from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
+
+    actor = Path(actor)
     config = AutoConfig.from_pretrained(actor)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    state = load_file(str(actor / WEIGHTS_FILE))
+    if (actor / SHARDED_DIR).is_dir():  # trainer.checkpoint_format=sharded: read every rank's shards here
+        template = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in model.state_dict().items()
+                    if name not in _tied_names(model)}
+        state = read_sharded_model_state(actor, template)
+    else:
+        state = load_file(str(actor / WEIGHTS_FILE))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or [k for k in missing if k not in _tied_names(model)]:
         raise SystemExit(f"error: the checkpoint's weights do not fit {config.model_type}: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if (actor / SHARDED_DIR).is_dir():  # tied weights (an LM head sharing the embeddings) written as copies too
+        model.tie_weights()
+        state = dict(model.state_dict())
     return write_hf_folder(out_dir, state, config, actor, dtype=getattr(torch, dtype) if dtype else None)
 
 

@@ -220,7 +220,7 @@ def rollout_items(cfg, shape: ModelShape, b: int, gpu: bool, capacity_gib: float
         return [Item("rollout", "HF generate: the actor's weights, a KV cache of one batch",
                      _gib(cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.data.max_response_length)
                           * shape.layers * 2 * shape.kv_heads * shape.head_dim, 4), ("generation",))]
-    return [Item("rollout", "vLLM fp32 weights", _gib(shape.params, 4), always),
+    return [Item("rollout", f"vLLM fp32 weights (TP {tp})", _gib(shape.params / tp, 4), always),
             Item("rollout", f"vLLM KV cache (rollout.cpu_kv_cache_gib)", float(cfg.rollout.cpu_kv_cache_gib), always)]
 
 
@@ -260,7 +260,7 @@ def plan_memory(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) -> Me
                                   checkpointing=checkpointing, logits=False)
     colocated = cfg.trainer.placement == "colocated"
     rollout_world = cfg.rollout.world_size or world
-    tp = max(getattr(cfg.rollout, "tensor_parallel_size", 1), 1)
+    tp = max(cfg.rollout.tensor_parallel_size, 1)
     engine = rollout_items(cfg, shape, b, gpu, capacity_gib, tp)
     if gpu:
         devices = [DevicePlan("GPU of the colocated pool (actor, ref, rollout)", capacity_gib, trainers + engine)] if colocated \

@@ -4,7 +4,8 @@ follows a checkpoint, resumed with trainer.resume=auto, ends bit-identical to an
 With both rollout engines: HF generate draws from the torch RNG that the checkpoint saves and
 restores; vLLM keeps its generator state inside the engine (not checkpointed), so every training
 sample carries its own seed, derived from (trainer.seed, step, prompt uid, sample index)
-(`rollout.seed_each_sample`, rlframe/rng.py) -- the resumed run samples the same tokens.
+(`rollout.seed_each_sample`, rlframe/rng.py) -- the resumed run samples the same tokens. The vLLM run
+also writes sharded checkpoints (trainer.checkpoint_format=sharded, torch.distributed.checkpoint).
 Timing figures (timing/*, perf/*, weight_sync/seconds) are excluded from the comparison; every other
 metric and every weight must be equal bit for bit (fp32 on CPU, same world size, same order of
 operations).
@@ -22,6 +23,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from rlframe.export import export_checkpoint
+
 from conftest import TINY_RUN_OVERRIDES, read_metrics, run_main, vllm_installed
 
 REWARD = os.path.join(os.path.dirname(__file__), "length_reward.py")
@@ -29,7 +32,9 @@ TOTAL = 5
 
 
 def overrides(model_dir, run_dir, engine, *extra):
-    return ["recipe=grpo_math", *TINY_RUN_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}", f"rollout.engine={engine}",
+    engine, checkpoint_format = engine
+    return ["recipe=grpo_math", *TINY_RUN_OVERRIDES, f"model.path={model_dir}", f"trainer.run_dir={run_dir}",
+            f"rollout.engine={engine}", checkpoint_format,
             f"trainer.total_steps={TOTAL}", "trainer.save_every=2", "trainer.max_checkpoints_to_keep=0",
             "trainer.val_before_train=false", "actor.optim.lr=1e-3", f"reward.functions=[{{path:{REWARD}}}]",
             "trainer.export_hf=true", *extra]
@@ -53,9 +58,10 @@ def kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("engine, checkpoint_format", [("hf", "full"), pytest.param("vllm", "sharded", marks=pytest.mark.skipif(
     not vllm_installed(), reason="vLLM is not installed"))])
-def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir, engine):
+def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir, engine, checkpoint_format):
+    engine = [engine, f"trainer.checkpoint_format={checkpoint_format}"]
     # 1. the reference: N steps uninterrupted
     ref_dir = tmp_path / "reference"
     result = run_main(overrides(tiny_model_dir, ref_dir, engine), cwd=tmp_path)
@@ -95,8 +101,11 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir, engine):
     assert [m["step"] for m in got_metrics] == list(range(1, TOTAL + 1))
     assert comparable(got_metrics) == comparable(ref_metrics)
     assert all(m["actor/grad_norm"] > 0 for m in ref_metrics), "the test needs real updates"
-    ref_weights = load_file(str(ref_dir / "checkpoints" / f"step_{TOTAL}" / "actor" / "model.safetensors"))
-    got_weights = load_file(str(run_dir / "checkpoints" / f"step_{TOTAL}" / "actor" / "model.safetensors"))
+    # (through rlframe.export: the same reader for gathered and sharded checkpoints)
+    ref_weights = load_file(str(export_checkpoint(ref_dir / "checkpoints" / f"step_{TOTAL}", tmp_path / "ref_hf")
+                                / "model.safetensors"))
+    got_weights = load_file(str(export_checkpoint(run_dir / "checkpoints" / f"step_{TOTAL}", tmp_path / "got_hf")
+                                / "model.safetensors"))
     assert ref_weights.keys() == got_weights.keys()
     for name in ref_weights:
         assert ref_weights[name].equal(got_weights[name]), name

@@ -4,7 +4,9 @@ Sleep mode exists on GPU only, so the real engine cannot exercise it here. `Stri
 `vllm.LLM` and fails the way the real engine misbehaves: waking what is awake (re-mapping weights over
 freshly loaded ones), loading weights while they are asleep, generating with the KV cache asleep. The
 code under test is `VLLMRollout`'s own state machine: sleep after generation, wake the weights for a
-load, wake the KV cache (and only what is asleep) for the next generation; weights stream, not listed.
+load, wake the KV cache (and only what is asleep) for the next generation; weights stream, not listed;
+level 2 (weights discarded) only when the driver says an update follows, and never a generation on
+discarded weights.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def engine_with_sleep():
 
     engine = object.__new__(VLLMRollout)  # everything but vLLM itself
     engine.llm, engine.sleep_enabled, engine.asleep_tags = StrictLLM(), True, set()
-    engine.pad_token_id, engine.lora_request = 0, None
+    engine.pad_token_id, engine.lora_request, engine.lora, engine.weights_discarded = 0, None, None, False
     return engine
 
 
@@ -114,3 +116,54 @@ def test_the_double_catches_the_old_order():
     llm.wake_up(["weights"])
     with pytest.raises(AssertionError, match="re-map"):
         llm.wake_up(None)
+
+
+class StrictLLMWithLevels(StrictLLM):
+    """Level 2 discards the weights: generating before a full reload would produce garbage."""
+
+    def sleep(self, level: int) -> None:
+        super().sleep(level)
+        self.discarded = level == 2
+
+    def _reload(self, weights_iterator):
+        super()._reload(weights_iterator)
+        self.discarded = False
+
+    def generate(self, requests, params, use_tqdm=False, lora_request=None):
+        assert not getattr(self, "discarded", False), "generate with discarded weights"
+        return super().generate(requests, params, use_tqdm, lora_request)
+
+
+def test_level_2_when_an_update_follows_and_never_generates_on_discarded_weights():
+    engine = engine_with_sleep()
+    engine.llm = StrictLLMWithLevels()
+    sampling = SamplingSettings(max_new_tokens=4)
+    engine.generate(prompts(), sampling)
+    engine.sleep(discard_weights=True)  # the driver said: an update (and its weight load) comes next
+    with pytest.raises(RuntimeError, match="level-2 sleep without load_weights"):
+        engine.generate(prompts(), sampling)
+    engine.load_weights(weights(3))
+    engine.generate(prompts(), sampling)
+    engine.sleep()  # no promise: level 1 keeps the weights
+    engine.generate(prompts(), sampling)
+    assert engine.llm.calls == ["generate", "sleep2", "wake:weights", "reload", "reset_prefix_cache",
+                                "wake:kv_cache", "generate", "sleep1", "wake:weights+kv_cache", "generate"]
+
+
+def test_the_actor_role_sleeps_at_level_2_only_when_the_driver_says_an_update_follows():
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
+
+    role = object.__new__(ActorRolloutWorker)  # the role's generate path around a strict engine
+    role.rollout, role.tp = engine_with_sleep(), None
+    role.rollout.llm = StrictLLMWithLevels()
+    role.settings = SimpleNamespace(rollout=SimpleNamespace(multi_turn=None, train=SamplingSettings(max_new_tokens=4),
+                                                            validation=SamplingSettings(max_new_tokens=4, temperature=0.0),
+                                                            seed=0))
+    batch = prompts()
+    batch.meta_info.update(step=1, update_follows=True)
+    ActorRolloutWorker.generate_sequences(role, batch)
+    assert role.rollout.llm.calls[-1] == "sleep2"
+    role.rollout.load_weights(weights(2))
+    batch.meta_info.update(update_follows=False, validate=True)
+    ActorRolloutWorker.generate_sequences(role, batch)
+    assert role.rollout.llm.calls[-1] == "sleep1"

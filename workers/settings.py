@@ -106,6 +106,7 @@ class EngineSettings:
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)  # strategy=deepspeed only
     megatron: MegatronSettings = field(default_factory=MegatronSettings)  # strategy=megatron only
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: off (full fine-tuning)
+    checkpoint_format: str = "full"  # full (gathered, HF safetensors) | sharded (torch.distributed.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class RolloutSettings:
     max_num_batched_tokens: int = 4096
     enable_sleep_mode: bool = True
     enforce_eager: bool = True
+    tensor_parallel_size: int = 1  # ranks per vLLM engine (workers/rollout/tensor_parallel.py)
     # Adapter-only weight sync (model.lora.weight_sync=adapter): the engine applies these adapters
     # itself and receives only their tensors after each update. None: it receives full weights.
     lora: LoraSettings | None = None

@@ -317,6 +317,9 @@ class RLTrainer:
         batch = batch.repeat(cfg.rollout.n, interleave=True)
         if cfg.rollout.seed_each_sample:  # sampling independent of the engine's RNG history: exact resume
             prompts.non_tensor_batch["sample_seed"] = sample_seeds(cfg.trainer.seed, step, batch.non_tensor_batch["uid"])
+        # The engine's next use is the weight load after this step's update (one rollout round, the actor
+        # trains this step): on GPU it may discard its weights while it sleeps (vLLM sleep level 2).
+        prompts.meta_info["update_follows"] = not cfg.algorithm.dynamic_sampling.enable and step > cfg.trainer.critic_warmup
         with self.timed("rollout"):
             batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=timeouts.rollout))
         with self.timed("reward"):

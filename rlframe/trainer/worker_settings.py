@@ -91,7 +91,7 @@ def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> En
         **engine_offload(cfg, "actor" if train else "ref"), deepspeed=deepspeed_settings(cfg),
         megatron=megatron_settings(cfg),
         optim=optim_settings(actor.optim, cfg) if train else None,
-        lora=lora_settings(cfg) if train else LoraSettings())
+        lora=lora_settings(cfg) if train else LoraSettings(), checkpoint_format=cfg.trainer.checkpoint_format)
 
 
 def actor_update_loop(cfg: RLConfig) -> UpdateLoop:
@@ -141,6 +141,7 @@ def rollout_settings(cfg: RLConfig, model_path: str) -> RolloutSettings:
         cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, enable_prefix_caching=rollout.enable_prefix_caching,
         enable_chunked_prefill=rollout.enable_chunked_prefill, max_num_batched_tokens=rollout.max_num_batched_tokens,
         enable_sleep_mode=rollout.enable_sleep_mode, enforce_eager=rollout.enforce_eager,
+        tensor_parallel_size=rollout.tensor_parallel_size,
         lora=lora_settings(cfg) if cfg.model.lora.rank > 0 and cfg.model.lora.weight_sync == "adapter" else None,
         multi_turn=multi_turn_settings(cfg))
 
@@ -175,7 +176,8 @@ def critic_settings(cfg: RLConfig, model_path: str) -> CriticSettings:
                             device=device_request(cfg), gradient_checkpointing=cfg.model.gradient_checkpointing,
                             trust_remote_code=cfg.model.trust_remote_code, deepspeed=deepspeed_settings(cfg),
                             megatron=megatron_settings(cfg), **engine_offload(cfg, "critic"),
-                            optim=optim_settings(critic.optim, cfg, head_lr=critic.head_lr))
+                            optim=optim_settings(critic.optim, cfg, head_lr=critic.head_lr),
+                            checkpoint_format=cfg.trainer.checkpoint_format)
     mini = critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
     loop = UpdateLoop(mini_batch_size=mini * cfg.rollout.n // world, micro_batch_size=critic.ppo_micro_batch_size_per_device,
                       epochs=critic.ppo_epochs, shuffle=cfg.actor.shuffle, loss_agg_mode=critic.loss_agg_mode)

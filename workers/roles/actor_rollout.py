@@ -33,7 +33,7 @@ from rlframe.workers.faults import install_stack_dump_handler, maybe_inject_faul
 from rlframe.workers.hf_folder import write_hf_folder
 from rlframe.workers.objectives import PolicyObjective
 from rlframe.workers.rollout.base import generate_sequences
-from rlframe.workers.rollout.factory import build_rollout_engine
+from rlframe.workers.rollout.factory import build_rollout_engine, tensor_parallel_group
 from rlframe.workers.settings import ActorSettings
 from rlframe.workers.weight_broadcast import WeightSender, make_process_group, specs_from_wire, specs_to_wire, weight_spec
 
@@ -50,6 +50,7 @@ class ActorRolloutWorker:
         if loss.custom_loss_path:  # a user's policy loss file (algorithm.custom_policy_loss)
             register_from_config("policy_loss", loss.custom_loss_path, loss.custom_loss_name)
         self.engine = build_engine(settings.engine, self.profile, name="actor")
+        self.tp = None if settings.rollout is None else tensor_parallel_group(settings.rollout)
         self.rollout = (None if settings.rollout is None else
                         build_rollout_engine(settings.rollout, self.profile, rank(), shares_devices=True))
 
@@ -62,8 +63,13 @@ class ActorRolloutWorker:
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        out = generate_sequences(self.rollout, self.settings.rollout, prompts, rank())
-        self.rollout_sleep()  # the KV cache is not needed again until the next generation
+        def generate(batch: DataProto) -> DataProto:
+            return generate_sequences(self.rollout, self.settings.rollout, batch, rank())
+
+        out = generate(prompts) if self.tp is None else self.tp.generate(prompts, generate)
+        # The driver says when the next use of the engine is a weight load (an update follows this
+        # generation): then the engine may drop its weights instead of copying them to host memory.
+        self.rollout_sleep(discard_weights=bool(prompts.meta_info.get("update_follows", False)))  # the KV cache is not needed again until the next generation
         return out
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -139,10 +145,10 @@ class ActorRolloutWorker:
             self._load_into_rollout()
         return {**info, "seconds": time.perf_counter() - start}
 
-    def rollout_sleep(self) -> None:
+    def rollout_sleep(self, discard_weights: bool = False) -> None:
         sleep = getattr(self.rollout, "sleep", None)
         if sleep is not None:
-            sleep()
+            sleep(discard_weights=discard_weights)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, out_dir: str) -> str:

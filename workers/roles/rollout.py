@@ -19,7 +19,7 @@ from rlframe.controller import Dispatch, register
 from rlframe.protocol import DataProto
 from rlframe.workers.distributed import rank as _rank, seed_everything
 from rlframe.workers.rollout.base import generate_sequences
-from rlframe.workers.rollout.factory import build_rollout_engine
+from rlframe.workers.rollout.factory import build_rollout_engine, tensor_parallel_group
 from rlframe.workers.settings import RolloutSettings
 from rlframe.workers.weight_broadcast import WeightReceiver, make_process_group, specs_from_wire
 
@@ -32,6 +32,7 @@ class RolloutWorker:
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.profile = settings.device.profile()
         seed_everything(settings.seed + _rank())
+        self.tp = tensor_parallel_group(settings)  # ranks sharing one engine (rollout.tensor_parallel_size)
         self.rollout = build_rollout_engine(settings, self.profile, _rank(), shares_devices=False)
         self.rollout_engine = self.profile.rollout_engine
         self.receiver: WeightReceiver | None = None
@@ -39,7 +40,10 @@ class RolloutWorker:
     @register(Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """As the colocated actor generates: same sampling settings, same per-step seeds."""
-        return generate_sequences(self.rollout, self.settings, prompts, _rank())
+        def generate(batch: DataProto) -> DataProto:
+            return generate_sequences(self.rollout, self.settings, batch, _rank())
+
+        return generate(prompts) if self.tp is None else self.tp.generate(prompts, generate)
 
     @register(Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:

