@@ -6,7 +6,11 @@
 1. correctness: response log-probs of the sharded bf16 actor (FSDP2 mixed precision, SDPA or
    flash-attn) vs an fp32 copy on small inputs; packed (varlen) vs padded forward;
 2. speed: `update` on a synthetic rollout batch, a few steps: tokens/s and model FLOPs utilisation
-   against the bf16 (GPU) / fp32 (CPU) matmul peak measured here.
+   against the bf16 (GPU) / fp32 (CPU) matmul peak measured here; peak device memory;
+3. offload: the same update with parameters and optimizer state offloaded to the host (GPU):
+   seconds and peak memory next to the resident run;
+4. checkpoints: sharded (torch.distributed.checkpoint) save and load of the actor, seconds, and the
+   weights after the load equal to those saved.
 Figures are printed and written as JSON to $OUT/gpu_check.json when $OUT is set.
 """
 
@@ -71,6 +75,14 @@ def matmul_peak_tflops(device: str, dtype: torch.dtype, size: int = 8192 if torc
         a @ b
     sync(device)
     return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def peak_memory_gib(device: str) -> float | None:
+    if device != "cuda":
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**30  # resident memory now (CPU smoke test)
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def sync(device: str) -> None:
@@ -140,7 +152,40 @@ def main() -> None:
     achieved = 6 * n_params * tokens / best / 1e12
     peak = matmul_peak_tflops(args.device, profile.dtype)
     figures.update(achieved_tflops=achieved, matmul_peak_tflops=peak, mfu=achieved / peak,
-                   peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None)
+                   update_seconds=best, peak_memory_gib=peak_memory_gib(args.device))
+
+    # 3. the same update with the parameters and the optimizer state on the host between phases
+    if args.device == "cuda":
+        del actor
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        offloaded = build_engine(EngineSettings(model_path=model_dir, device=DeviceRequest(args.device, "auto", "auto", "hf"),
+                                                optim=OptimSettings(lr=1e-6), offload_params=True, offload_optimizer=True),
+                                 profile)
+        sync(args.device)
+        start = time.perf_counter()
+        offloaded.reload()
+        offloaded.train_step(batch, loop, PolicyObjective(PolicyLossSettings(), on_policy=False), seed=0)
+        offloaded.offload()
+        sync(args.device)
+        figures.update(offload_update_seconds=time.perf_counter() - start, offload_peak_memory_gib=peak_memory_gib(args.device))
+        actor = offloaded
+
+    # 4. a sharded checkpoint of the actor: save, load into a fresh engine, compare
+    import dataclasses
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_ckpt_") as folder:
+        actor.settings = dataclasses.replace(actor.settings, checkpoint_format="sharded")
+        start = time.perf_counter()
+        actor.save_state(folder, tokenizer_source=None)
+        figures["sharded_save_seconds"] = time.perf_counter() - start
+        fresh = engine(DeviceRequest(args.device, "auto", "auto", "hf"), train=True, packed="false")
+        start = time.perf_counter()
+        fresh.load_state(folder)
+        figures["sharded_load_seconds"] = time.perf_counter() - start
+        saved = dict(actor.iter_full_weights())
+        loaded = dict(fresh.iter_full_weights())
+        figures["sharded_roundtrip_exact"] = all(torch.equal(saved[k].cpu(), loaded[k].cpu()) for k in saved)
     for key, value in figures.items():
         print(f"{key:>32}: {value}")
     if os.environ.get("OUT"):
