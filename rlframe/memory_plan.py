@@ -6,8 +6,9 @@
 
 The estimate, per device (`b` = bytes per element of the compute dtype, P = parameters, W = ranks
 that shard the trainer, T = tokens of one micro-batch per rank, R = its response tokens):
-- actor: fp32 master weights 4P/W (host with offload_params), fp32 gradients 4P/W and AdamW's two
-  moments 8P/W during the update (host between updates with offload_optimizer); FSDP gathers two
+- actor: fp32 master weights 4P/W, fp32 gradients 4P/W and AdamW's two moments 8P/W during the
+  update (the moments on the host between updates with offload_optimizer; with offload_params FSDP2
+  keeps weights, gradients and the optimizer step on the host altogether); FSDP gathers two
   layers at a time in `b`; activations T * layers * b * (8h + 2kv + 4I) elements saved for backward
   (one layer's worth plus T*h*b per layer with gradient checkpointing; the per-token count is in
   `ModelShape.activation_elements_per_token_layer`); fp32 logits on the response
@@ -145,9 +146,9 @@ class MemoryPlan:
                  f"params, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab})"]
         for device in self.devices:
             lines.append(f"  {device.name}: {device.capacity_gib:.1f} GiB")
-            lines.append(f"    {'role':<9} {'what':<58} {'GiB':>7}  phases")
+            lines.append(f"    {'role':<9} {'what':<66} {'GiB':>7}  phases")
             for item in device.items:
-                lines.append(f"    {item.role:<9} {item.what:<58} {item.gib:7.2f}  {', '.join(item.phases)}")
+                lines.append(f"    {item.role:<9} {item.what:<66} {item.gib:7.2f}  {', '.join(item.phases)}")
             peaks = " | ".join(f"{p} {device.phase_gib(p):.2f}" for p in device.phases)
             phase, peak = device.peak
             verdict = "fits" if device.fits() else f"DOES NOT FIT (limit {HEADROOM:.0%} of the device)"
@@ -180,17 +181,21 @@ def trainer_items(cfg, shape: ModelShape, role: str, shards: int, b: int, gpu: b
     always = ("generation", "log-probs", "update")
     weight_bytes = 4 if train or not gpu else b
     kind = "fp32 master" if train else ("fp32" if weight_bytes == 4 else "bf16")
-    items = [Item(role, f"{kind} weights (1/{shards} shard)",
+    where = ", on the host (offload_params)" if offload_params and gpu else ""
+    items = [Item(role, f"{kind} weights (1/{shards} shard){where}",
                   _gib(P / shards, weight_bytes), () if offload_params and gpu else always)]
     compute = ("log-probs", "update") if train else ("log-probs",)
     if shards > 1 or (offload_params and gpu):
         items.append(Item(role, "FSDP-gathered layers (2 in flight)", _gib(2 * shape.layer_params, b), compute, True))
     per_layer = tokens * shape.activation_elements_per_token_layer()
-    if train:
+    if train and offload_params and gpu:  # FSDP2's CPU offload: gradients and the optimizer step live on the host
+        items.append(Item(role, "fp32 gradients and AdamW moments: on the host (offload_params)", 0.0, ()))
+    elif train:
         items.append(Item(role, "fp32 gradients (1/%d shard)" % shards, _gib(P / shards, 4), ("update",)))
         items.append(Item(role, "AdamW moments (1/%d shard)%s" % (shards, ", host between updates"
                                                                    if offload_optimizer and gpu else ""),
                           _gib(2 * P / shards, 4), ("update",) if offload_optimizer and gpu else always))
+    if train:
         saved = (L * tokens * shape.hidden + per_layer) if checkpointing else L * per_layer
         items.append(Item(role, f"activations for backward ({tokens} tokens{', checkpointed' if checkpointing else ''})",
                           _gib(saved, b), ("update",), True))
@@ -289,13 +294,12 @@ def _on_rank(item: Item, rank: int, ranks: int, pool: str = "trainer") -> Item:
     return Item(name, item.what, item.gib, item.phases, item.transient, f"{pool}{rank}")
 
 
-FIXES = (  # (override, how it changes the config), tried in this order
-    ("model.gradient_checkpointing=true", lambda c: setattr(c.model, "gradient_checkpointing", True)),
-    ("actor.offload_optimizer=true", lambda c: setattr(c.actor, "offload_optimizer", True)),
-    ("actor.ppo_micro_batch_size_per_device=1", lambda c: setattr(c.actor, "ppo_micro_batch_size_per_device", 1)),
-    ("actor.log_prob_micro_batch_size_per_device=1",
-     lambda c: setattr(c.actor, "log_prob_micro_batch_size_per_device", 1)),
-    ("actor.offload_params=true", lambda c: setattr(c.actor, "offload_params", True)),
+FIXES = (  # (section, key, value), tried in this order, cumulatively
+    ("model", "gradient_checkpointing", True),
+    ("actor", "offload_optimizer", True),
+    ("actor", "ppo_micro_batch_size_per_device", 1),
+    ("actor", "log_prob_micro_batch_size_per_device", 1),
+    ("actor", "offload_params", True),
 )
 
 
@@ -312,9 +316,11 @@ def fixes_that_fit(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) ->
             if has_engine and not device.fits() and room > 1.2 * _gib(shape.params, plan.dtype_bytes):
                 suggestions.append(f"rollout.gpu_memory_utilization={room / capacity_gib:.2f}")
     candidate, applied = copy.deepcopy(cfg), []
-    for override, apply in FIXES:
-        apply(candidate)
-        applied.append(override)
+    for section, key, value in FIXES:
+        if getattr(getattr(candidate, section), key) == value:
+            continue  # already set
+        setattr(getattr(candidate, section), key, value)
+        applied.append(f"{section}.{key}={str(value).lower()}")
         if plan_memory(candidate, shape, gpu=gpu, capacity_gib=capacity_gib).fits():
             suggestions.append(" ".join(applied))
             break

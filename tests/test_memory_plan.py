@@ -125,3 +125,19 @@ def test_plan_command_prints_the_table_without_starting_anything(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "model 7.62 B params, 28 layers" in out.stdout
     assert "GPU of the colocated pool" in out.stdout and "-> fits" in out.stdout
+
+
+def test_offload_params_keeps_weights_gradients_and_adam_off_the_gpu():
+    cfg = toy_config("actor.world_size=4", "actor.offload_params=true", "actor.offload_optimizer=true",
+                     "algorithm.use_kl_loss=false")
+    (device,) = plan_memory(cfg, TOY, gpu=True, capacity_gib=8.0).devices
+    resident = [i for i in device.items if i.role == "actor" and not i.transient and i.phases]
+    assert resident == []  # nothing of the actor stays on the device between or during phases
+    passes = sum(i.gib for i in device.items if i.role == "actor" and "update" in i.phases)
+    assert device.phase_gib("update") == pytest.approx(passes)
+
+
+def test_suggested_fixes_skip_settings_already_made():
+    cfg = toy_config("actor.world_size=1", "model.gradient_checkpointing=true", "actor.ppo_micro_batch_size_per_device=16")
+    fixes = fixes_that_fit(cfg, ModelShape.from_hf_config(QWEN25_7B), gpu=True, capacity_gib=80.0)
+    assert not any("gradient_checkpointing" in fix for fix in fixes)

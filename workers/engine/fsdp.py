@@ -73,7 +73,9 @@ class FSDPEngine(TrainerEngine):
         self.replicated_grads = qlora and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if self.sharded:
             shard_model(self.model, profile, offload_params=settings.offload_params)
-        self.offload_optimizer = settings.offload_optimizer and profile.is_gpu
+        # With offload_params FSDP2 keeps parameters, gradients and so the optimizer state on the host and
+        # steps there: moving the state to the GPU for the step would mix devices in AdamW.
+        self.offload_optimizer = settings.offload_optimizer and profile.is_gpu and not settings.offload_params
         self.optimizer_steps = self.consecutive_skips = 0
         if not train:
             self.model.eval()
