@@ -74,28 +74,37 @@ def prompt_dataset(cfg: RLConfig, files: list[str], tokenizer) -> RLDataset | No
 class StageTrainer(RLTrainer):
     """The RL driver's validation, scoring, checkpoints and export, around a stage's own `train`.
 
-    Subclasses set `self.roles` (the worker roles) and the number of steps, then call `setup`.
+    Subclasses set `self.roles` (the worker roles), call `setup`, then `plan_steps` once they know their rows.
     """
 
-    def setup(self, cfg: RLConfig, model_path: str, tokenizer, val_files: list[str], run_dir: Path,
-              num_rows: int, batch_size: int, total_steps: int) -> None:
+    def setup(self, cfg: RLConfig, model_path: str, tokenizer, val_files: list[str], run_dir: Path) -> None:
+        """Validation prompts, rewards and the workers (`self.roles`); then `plan_steps`."""
         # (no RLTrainer.__init__: the prompt sampler, KL controller and algorithm plugins are RL's)
         self.cfg, self.model_path, self.tokenizer, self.run_dir = cfg, model_path, tokenizer, run_dir
         self.phase_times: dict[str, float] = {}
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        cfg.trainer.total_steps = total_steps
         self.val_set = prompt_dataset(cfg, val_files, tokenizer)
         self.rewards = reward_manager(cfg)
+        self.kl_ctrl = None
+        self.step, self.first_val, self.last_metrics = 0, {}, {}
+        self._start_workers()
+
+    def plan_steps(self, num_rows: int, batch_size: int, epochs: int, unit: str) -> None:
+        """epochs x (num_rows // batch_size) steps; the checkpointable sampler; the tracker; resume."""
+        cfg = self.cfg
+        steps_per_epoch = num_rows // batch_size
+        if steps_per_epoch < 1:
+            raise ValueError(f"{num_rows} {unit} cannot fill one batch of {batch_size} ({cfg.stage}.batch_size). "
+                             f"Fix: a smaller {cfg.stage}.batch_size or more data")
+        cfg.trainer.total_steps = epochs * steps_per_epoch
         self.sampler = StatefulSampler(num_rows, batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         self.batches = self.sampler.forever()
-        self.kl_ctrl = None
-        self.resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run_dir)
+        self.resume_from = checkpoint.resolve_resume(cfg.trainer.resume, self.run_dir)
         if self.resume_from is not None:
-            checkpoint.trim_metrics_log(run_dir, self.resume_from.step)
-        self.step, self.first_val, self.last_metrics = 0, {}, {}
-        self.tracker = Tracker(run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name,
-                               cfg.trainer.experiment_name, to_container(cfg), total_steps=total_steps)
-        self._start_workers()
+            checkpoint.trim_metrics_log(self.run_dir, self.resume_from.step)
+        self.tracker = Tracker(self.run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name,
+                               cfg.trainer.experiment_name, to_container(cfg), total_steps=cfg.trainer.total_steps)
+        print(f"{cfg.stage}: {num_rows} {unit}, {epochs} epoch(s) x {steps_per_epoch} steps of {batch_size}", flush=True)
 
     def _start_workers(self) -> None:
         with self.timed("init_workers"):

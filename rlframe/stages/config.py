@@ -32,9 +32,8 @@ class PairGenerationConfig:
     rollout engine, scored by reward.functions; the best and the worst of a prompt become a pair when
     their scores differ by at least min_score_gap."""
 
-    n: int = 4
+    n: int = 4  # samples per prompt, at rollout.temperature
     prompts: int = 256  # training prompts to sample (0: all)
-    temperature: float = 1.0
     min_score_gap: float = 0.05
     batch_size: int = 64  # prompts per generation call
 

@@ -168,19 +168,25 @@ def load_sft_examples(files: list[str], tokenizer, *, prompt_key: str = "prompt"
     return examples
 
 
+def _pair_fields(row: dict, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[list[dict], str, str]:
+    if prompt_key not in row:
+        raise BadRow(f"field {prompt_key!r}: missing")
+    prompt = _messages(row[prompt_key], prompt_key)
+    chosen, rejected = _reply(row.get(chosen_key), chosen_key), _reply(row.get(rejected_key), rejected_key)
+    if chosen.strip() == rejected.strip():
+        raise BadRow(f"fields {chosen_key!r} and {rejected_key!r} are identical: the pair teaches nothing")
+    return prompt, chosen, rejected
+
+
 def load_pairs(files: list[str], tokenizer, *, prompt_key: str = "prompt", chosen_key: str = "chosen",
                rejected_key: str = "rejected", max_length: int = 512, overlong: str = "error",
                bad_rows: str = "error") -> list[Pair]:
+    """Pairs for DPO: the chat-templated prompt (with the generation prompt) + each reply + EOS."""
     tok = Tokenize(tokenizer)
     dropped = [0]
 
     def build(row: dict, path: str, number: int, where: str) -> Pair | None:
-        if prompt_key not in row:
-            raise BadRow(f"field {prompt_key!r}: missing")
-        prompt = _messages(row[prompt_key], prompt_key)
-        chosen, rejected = _reply(row.get(chosen_key), chosen_key), _reply(row.get(rejected_key), rejected_key)
-        if chosen.strip() == rejected.strip():
-            raise BadRow(f"fields {chosen_key!r} and {rejected_key!r} are identical: the pair teaches nothing")
+        prompt, chosen, rejected = _pair_fields(row, prompt_key, chosen_key, rejected_key)
         chosen_ids, rejected_ids = tok.reply(chosen), tok.reply(rejected)
         prompt_ids = _fit(tok.prompt(prompt), max(len(chosen_ids), len(rejected_ids)), max_length, overlong, where)
         if prompt_ids is None:
@@ -193,6 +199,42 @@ def load_pairs(files: list[str], tokenizer, *, prompt_key: str = "prompt", chose
         print(f"note: preference data: {dropped[0]} pairs longer than {max_length} tokens dropped (data.overlong)",
               flush=True)
     return pairs
+
+
+def load_scored_pairs(files: list[str], render, tokenizer, *, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                      rejected_key: str = "rejected", max_length: int = 512, overlong: str = "error",
+                      bad_rows: str = "error") -> list[Pair]:
+    """Pairs for a reward model: `render(prompt, reply)` -> the full text a scalar RM scores (its chat
+    template over the conversation, as `RewardModelWorker.render`); the ids up to the token the
+    sequence-classification head reads (the last non-pad token) are the 'prompt', one pad token the
+    'response' (its position holds that token's hidden state in the value layout). truncate_left keeps
+    the text's end, as the RM worker does."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    dropped = [0]
+
+    def scored_ids(prompt, reply, where) -> list[int] | None:
+        ids = list(tokenizer(render(prompt, reply), add_special_tokens=False)["input_ids"])
+        while ids and ids[-1] == pad:  # the head reads the last non-pad token
+            ids.pop()
+        return _fit(ids, 0, max_length, overlong, where)
+
+    def build(row: dict, path: str, number: int, where: str) -> Pair | None:
+        prompt, chosen, rejected = _pair_fields(row, prompt_key, chosen_key, rejected_key)
+        chosen_ids, rejected_ids = scored_ids(prompt, chosen, where), scored_ids(prompt, rejected, where)
+        if chosen_ids is None or rejected_ids is None:
+            dropped[0] += 1
+            return None
+        return Pair([], chosen_ids, rejected_ids, path, number)
+
+    pairs = _read_checked(files, build, bad_rows, "reward-model")
+    if dropped[0]:
+        print(f"note: reward-model data: {dropped[0]} pairs longer than {max_length} tokens dropped", flush=True)
+    return pairs
+
+
+def collate_scored(sequences: list[list[int]], pad_token_id: int) -> DataProto:
+    """Each full sequence as the 'prompt' + one pad 'response' token: values[:, 0] is the score."""
+    return collate_sequences(sequences, [[pad_token_id]] * len(sequences), pad_token_id)
 
 
 # ------------------------------------------------------------------ batching

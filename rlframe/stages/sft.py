@@ -71,16 +71,14 @@ class SFTTrainer(StageTrainer):
         self.val_examples = load_sft_examples(val_files, tokenizer, **kwargs) if val_files else []
         if cfg.data.val_max_samples:
             self.val_examples = self.val_examples[:cfg.data.val_max_samples]
-        steps_per_epoch = len(self.train_examples) // sft.batch_size
-        if steps_per_epoch < 1:
+        if len(self.train_examples) < sft.batch_size:
             raise ValueError(f"{len(self.train_examples)} SFT rows cannot fill one batch of sft.batch_size="
                              f"{sft.batch_size}. Fix: a smaller sft.batch_size or more data")
         self.roles = {"actor_rollout": (PolicyTrainerWorker, {"settings": sft_settings(cfg, model_path)})}
-        print(f"SFT: {len(self.train_examples)} training rows, {len(self.val_examples)} validation rows, "
-              f"{sft.epochs} epoch(s) x {steps_per_epoch} steps of {sft.batch_size}; loss on {sft.loss_on} tokens",
-              flush=True)
-        self.setup(cfg, model_path, tokenizer, val_files, run_dir, len(self.train_examples), sft.batch_size,
-                   sft.epochs * steps_per_epoch)
+        print(f"SFT: {len(self.train_examples)} training rows, {len(self.val_examples)} validation rows; "
+              f"loss on {sft.loss_on} tokens", flush=True)
+        self.setup(cfg, model_path, tokenizer, val_files, run_dir)
+        self.plan_steps(len(self.train_examples), sft.batch_size, sft.epochs, "training rows")
 
     def evaluation(self) -> dict[str, float]:
         metrics = self.validate()

@@ -4,7 +4,8 @@
 engine for validation and pair sampling, checkpoints, export) with two more update primitives:
 
     update_sft(batch)   # -sum m_t log p(y_t) / tokens over the loss mask (response or all tokens)
-    update_dpo(batch)   # rows 2i (chosen) and 2i+1 (rejected) share a prompt; ref_log_prob given
+    update_dpo(batch)   # rows 2i (chosen) and 2i+1 (rejected) share a prompt; ref_logps [2P] given
+                        # (the reference's summed or length-normalised log-probs, computed once)
     compute_nll(batch)  # per-row NLL sums and token counts at temperature 1 (validation loss)
 
 The arithmetic of both objectives is `rlframe.algos.preference`; the engine runs the update loop
@@ -63,8 +64,8 @@ class PreferenceObjective:
             raise ValueError(f"a DPO micro-batch has {len(micro)} rows: pairs (chosen, rejected) must stay together")
         seq = sequence_log_probs(log_probs, mask, s.length_normalize)
         ref_chosen = ref_rejected = None
-        if "ref_log_prob" in micro.batch.keys():
-            ref = sequence_log_probs(micro.batch["ref_log_prob"].to(log_probs.device), mask, s.length_normalize)
+        if "ref_logps" in micro.batch.keys():  # the reference's sequence log-probs, same normalisation
+            ref = micro.batch["ref_logps"].to(log_probs.device)
             ref_chosen, ref_rejected = ref[0::2], ref[1::2]
         losses, stats = preference_loss(seq[0::2], seq[1::2], ref_chosen, ref_rejected, loss_type=s.loss_type,
                                         beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing)

@@ -1,0 +1,147 @@
+"""stage=dpo: DPO and its relatives (IPO, SimPO, length-normalised) on the same workers as RL.
+
+    pairs  = the pair files, or generate_pairs(prompts) (rlframe/pairs.py: the policy's own samples)
+    ref    = ref.compute_ref_log_prob(all pairs)      # once, by the reference role (not for simpo)
+    for step in steps:
+        batch = collate_pairs(next pairs) + ref_logps # rows 2i chosen, 2i+1 rejected
+        actor_rollout.update_dpo(batch)               # rlframe/algos/preference.py through the engine
+    validate: the RL driver's generation validation (val/reward_mean, val/accuracy)
+    export: <run_dir>/hf_model
+
+Metrics: dpo/loss, dpo/rewards_chosen / rewards_rejected (beta * (pi - ref)), dpo/reward_accuracy,
+dpo/reward_margin, dpo/logps_chosen / logps_rejected.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from rlframe.algos.preference import REFERENCE_FREE, sequence_log_probs
+from rlframe.config import RLConfig
+from rlframe.data.dataset import RLDataset, read_rows
+from rlframe.pairs import generate_pairs
+from rlframe.stages.common import StageTrainer
+from rlframe.stages.data import collate_pairs, load_pairs
+from rlframe.trainer import checkpoint
+from rlframe.trainer.worker_settings import actor_settings, policy_engine_settings
+from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker, PreferenceSettings
+from rlframe.workers.roles.ref import RefWorker
+from rlframe.workers.settings import ActorSettings, ForwardSettings, RefSettings, UpdateLoop
+
+REF_CHUNK_PAIRS = 32
+
+
+def policy_settings(cfg: RLConfig, model_path: str) -> ActorSettings:
+    """The actor with its rollout engine (pair sampling, validation); the update loop is set per step."""
+    return replace(actor_settings(cfg, model_path, with_rollout=True), loop=UpdateLoop(loss_agg_mode="token-mean"))
+
+
+def preference_settings(cfg: RLConfig) -> PreferenceSettings:
+    d = cfg.dpo
+    return PreferenceSettings(loss_type=d.loss, beta=d.beta, gamma=d.gamma, label_smoothing=d.label_smoothing,
+                              length_normalize=d.length_normalize)
+
+
+def reference_settings(cfg: RLConfig, model_path: str) -> RefSettings:
+    """The frozen initial policy; log-probs at temperature 1 (the likelihood DPO compares)."""
+    return RefSettings(engine=policy_engine_settings(cfg, model_path, train=False),
+                       log_prob=ForwardSettings(micro_batch_size=cfg.actor.log_prob_micro_batch_size_per_device))
+
+
+def needs_pair_generation(cfg: RLConfig, train_files: list[str]) -> bool:
+    """Prompt data (the arithmetic default, or files without the chosen column): sample pairs first."""
+    if cfg.data.source == "arithmetic":
+        return True
+    rows = read_rows(train_files[0])
+    return bool(rows) and cfg.dpo.chosen_key not in rows[0]
+
+
+class PairSampler(StageTrainer):
+    """The policy with its rollout engine and the reward functions, for `rlframe.pairs` alone."""
+
+    def __init__(self, cfg: RLConfig, model_path: str, tokenizer, run_dir: Path):
+        self.roles = {"actor_rollout": (PolicyTrainerWorker, {"settings": policy_settings(cfg, model_path)})}
+        self.setup(cfg, model_path, tokenizer, [], run_dir)
+
+    def prompt_set(self, files: list[str]) -> RLDataset:
+        data = self.cfg.data
+        return RLDataset(files, self.tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                         prompt_template=data.prompt_template, max_prompt_length=data.max_prompt_length,
+                         overlong=data.overlong, bad_rows=data.bad_rows)
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.workers.shutdown()
+
+
+class DPOTrainer(PairSampler):
+    def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
+                 run_dir: Path):
+        d = cfg.dpo
+        self.reference_free = d.loss in REFERENCE_FREE
+        self.roles = {"actor_rollout": (PolicyTrainerWorker, {"settings": policy_settings(cfg, model_path),
+                                                              "preference": preference_settings(cfg)})}
+        if not self.reference_free:
+            self.roles["ref"] = (RefWorker, {"settings": reference_settings(cfg, model_path)})
+        self.setup(cfg, model_path, tokenizer, val_files, run_dir)
+        self.pair_stats: dict[str, float] = {}
+        pair_files = train_files
+        if needs_pair_generation(cfg, train_files):
+            out = Path(d.pairs_file) if d.pairs_file else run_dir / "data" / "pairs.jsonl"
+            if out.exists():  # a resumed run trains on the pairs it drew first
+                print(f"pairs: reusing {out}", flush=True)
+            else:
+                self.pair_stats = generate_pairs(self, self.prompt_set(train_files), out)
+            pair_files = [str(out)]
+        self.pairs = load_pairs(pair_files, tokenizer, prompt_key=cfg.data.prompt_key, chosen_key=d.chosen_key,
+                                rejected_key=d.rejected_key, max_length=d.max_length, overlong=cfg.data.overlong,
+                                bad_rows=cfg.data.bad_rows)
+        self.ref_logps = None if self.reference_free else self.reference_log_probs()
+        self.plan_steps(len(self.pairs), d.batch_size, d.epochs, "pairs")
+
+    def close(self) -> None:
+        StageTrainer.close(self)
+
+    def reference_log_probs(self) -> torch.Tensor:
+        """[2 x pairs]: the reference's sequence log-probs of every chosen and rejected reply, once."""
+        start, parts = time.perf_counter(), []
+        for first in range(0, len(self.pairs), REF_CHUNK_PAIRS):
+            batch = collate_pairs(self.pairs[first:first + REF_CHUNK_PAIRS], self.pad_token_id)
+            token_lp = self.ref.compute_ref_log_prob(batch, _timeout=self.cfg.trainer.timeouts.log_prob).batch["ref_log_prob"]
+            parts.append(sequence_log_probs(token_lp, batch.batch["response_mask"], self.cfg.dpo.length_normalize))
+        self.pair_stats["timing/ref_log_prob"] = time.perf_counter() - start
+        return torch.cat(parts)
+
+    def pair_batch(self, indices: list[int]):
+        batch = collate_pairs([self.pairs[i] for i in indices], self.pad_token_id)
+        if self.ref_logps is not None:
+            rows = torch.tensor([2 * i + side for i in indices for side in (0, 1)])
+            batch.batch["ref_logps"] = self.ref_logps[rows]
+        return batch
+
+    def train(self, start_step: int) -> dict:
+        cfg = self.cfg
+        if start_step == 0 and cfg.trainer.val_before_train:
+            self.first_val = {**self.validate(), **self.pair_stats}
+            self.tracker.log(0, self.first_val)
+        for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+            self.step, self.phase_times = step, {}
+            step_start = time.perf_counter()
+            batch = self.pair_batch(next(self.batches))
+            batch.meta_info["step"] = step
+            with self.timed("update"):
+                metrics = dict(self.actor_rollout.update_dpo(batch, _timeout=cfg.trainer.timeouts.update).meta_info["metrics"])
+            last = step == cfg.trainer.total_steps
+            if (cfg.dpo.val_every and step % cfg.dpo.val_every == 0 and not last) or (last and cfg.trainer.val_at_end):
+                metrics.update(self.validate())
+            metrics.update({f"timing/{k}": v for k, v in self.phase_times.items()})
+            metrics["timing/step"] = time.perf_counter() - step_start
+            self.tracker.log(step, metrics)
+            self.last_metrics = metrics
+            if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
+                self.save_checkpoint(step)
+        return self.finish()
