@@ -824,6 +824,11 @@ def _validate_multi_turn(cfg: RLConfig, need) -> None:
     need(mt.max_tool_response_tokens >= 1, "rollout.multi_turn.max_tool_response_tokens", "must be >= 1")
     need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0")
     need(mt.tool_prompt_tokens >= 0, "rollout.multi_turn.tool_prompt_tokens", "must be >= 0")
+    # tensor-parallel engine ranks must submit identical requests in the same order; the agent loop's
+    # turns depend on when tools return, which differs between ranks
+    need(cfg.rollout.tensor_parallel_size == 1, "rollout.multi_turn.enable",
+         f"multi-turn rollouts need rollout.tensor_parallel_size=1 (got {cfg.rollout.tensor_parallel_size}). "
+         "Fix: rollout.tensor_parallel_size=1 (data-parallel engines instead)")
     try:
         get_parser(mt.format)
     except ToolLoadError as error:

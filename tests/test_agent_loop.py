@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -209,6 +210,7 @@ def test_config_validation_names_the_key(tmp_path):
     cfg.rollout.multi_turn.enable = True
     cfg.rollout.multi_turn.tools = [ToolConfig(path=TOOLS, name="nothing"), ToolConfig(path=str(tmp_path / "no.py"))]
     cfg.rollout.multi_turn.format = "weird"
+    cfg.rollout.tensor_parallel_size = 2  # TP ranks would schedule turns differently
     cfg.rollout.multi_turn.environment.path, cfg.rollout.multi_turn.environment.name = TOOLS, "NotAnEnv"
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
@@ -217,6 +219,7 @@ def test_config_validation_names_the_key(tmp_path):
     assert "rollout.multi_turn.tools[1]" in text and "not found" in text
     assert "rollout.multi_turn.format" in text
     assert "rollout.multi_turn.environment" in text and "lacks the method(s) step" in text
+    assert "multi-turn rollouts need rollout.tensor_parallel_size=1 (got 2)" in text
 
 
 def test_hf_engine_multi_turn_log_probs_match_a_forward_pass(tiny_model_dir, tok):
@@ -371,9 +374,12 @@ class SteppedScriptedEngine(ScriptedEngine):
     def __init__(self, tok, scripts):
         super().__init__(tok, scripts)
         self.steps, self.finished_at = 0, []  # (key, turn length, the step it finished at)
+        self.seeds = []  # (sequence key, the seed its turn was sampled with)
 
     def generate(self, prompts, sampling):
         out = super().generate(prompts, sampling)
+        seeds = prompts.non_tensor_batch.get("sample_seed")
+        self.seeds += [(key, None if seeds is None else int(seeds[row])) for row, key in enumerate(self.calls[-1][1])]
         longest = int(out.batch["response_mask"].sum(-1).max())
         for row, key in enumerate(self.calls[-1][1]):
             self.finished_at.append((key, int(out.batch["response_mask"][row].sum()), self.steps + longest))
@@ -387,10 +393,11 @@ class SteppedScriptedEngine(ScriptedEngine):
             def __init__(self):
                 self.running = []  # [key, tokens, emitted, sequence key]
 
-            def submit(self, key, token_ids, sampling):
+            def submit(self, key, token_ids, sampling, seed=None):
                 batch = prompt_batch(engine.tok, [token_ids])
                 tokens = ScriptedEngine.generate(engine, batch, sampling).batch["responses"][0]
                 n = int((tokens != engine.pad_token_id).sum())
+                engine.seeds.append((engine.calls[-1][1][0], seed))
                 self.running.append([key, tokens[:n].tolist(), 0, engine.calls[-1][1][0]])
 
             def step(self):
@@ -416,13 +423,16 @@ def test_continuous_batching_no_trajectory_waits_for_the_longest_turn(tok):
     long_turn = ids(tok, " ".join(["word"] * 80), eos=False)[:59] + [tok.eos_token_id]
     short_call, answer = ids(tok, "<echo>1</echo>"), ids(tok, "ok")
     scripts = {tuple(pa[:3]): [long_turn], tuple(pb[:3]): [short_call] * 3 + [answer]}
-    results = {}
+    results, seeds = {}, {}
     for mode in ("continuous", "rounds"):
         engine = SteppedScriptedEngine(tok, scripts)
         loop = make_loop(engine, tok, ("echo",), format="tag", max_turns=5)
         loop.scheduling = "auto" if mode == "continuous" else "rounds"
-        out = loop.run(prompt_batch(tok, [pa, pb]), SAMPLING)
+        batch = prompt_batch(tok, [pa, pb])
+        batch.non_tensor_batch["sample_seed"] = np.array([11, 22], dtype=np.int64)  # rollout.seed_each_sample
+        out = loop.run(batch, SAMPLING)
         assert out.meta_info["agent/scheduling"] == mode
+        seeds[mode] = sorted(engine.seeds, key=str)
         b_done = max(step for key, _, step in engine.finished_at if key == tuple(pb[:3]))
         a_done = max(step for key, _, step in engine.finished_at if key == tuple(pa[:3]))
         results[mode] = (b_done, a_done, engine.steps, out)
@@ -435,6 +445,9 @@ def test_continuous_batching_no_trajectory_waits_for_the_longest_turn(tok):
     for key in ("responses", "response_mask", "attention_mask"):
         assert torch.equal(out_c.batch[key], out_r.batch[key]), key
     assert list(out_c.non_tensor_batch["agent_turns"]) == [1, 4]
+    # per-turn seeds: from the sample's seed and the turn number only, the same under both schedulers
+    assert seeds["continuous"] == seeds["rounds"] and len({s for _, s in seeds["rounds"]}) == 5
+    assert None not in {s for _, s in seeds["rounds"]}
 
 
 def test_bad_input_named_before_workers_start(tmp_path):

@@ -82,8 +82,9 @@ def main() -> None:
     loop = AgentLoop(engine, settings, tokenizer)
     loop.eos_ids = set(eos)
     problems = generate_problems(args.trajectories, seed=3, max_operand=10)
-    prompts = left_padded([tokenizer.apply_chat_template([{"role": "user", "content": q + " " + INSTRUCTION}],
-                                                         add_generation_prompt=True) for q, _ in problems], pad)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q + " " + INSTRUCTION}], tokenize=False,
+                                           add_generation_prompt=True) for q, _ in problems]
+    prompts = left_padded([tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], pad)
     sampling = SamplingSettings(max_new_tokens=256, temperature=1.0)
     loop.scheduling = "auto"
     loop.run(prompts, sampling)  # warm-up

@@ -73,6 +73,12 @@ class Trajectory:
     env_errors: int = 0
     calls_by_tool: dict = field(default_factory=dict)
     ended_s: float | None = None  # seconds from the start of the rollout to the loop's seeing its end
+    seed: int | None = None  # the sample's sampling seed (rollout.seed_each_sample), if the driver sent one
+
+    def turn_seed(self) -> int | None:
+        """The next model turn's seed: a function of the sample's seed and the turn number only, so a
+        resumed run samples the same turns whatever the scheduling."""
+        return None if self.seed is None else (self.seed + (self.turns + 1) * 0x9E3779B97F4A7C15) & (2**63 - 1)
 
     @property
     def remaining(self) -> int:
@@ -150,6 +156,10 @@ class AgentLoop:
         budget = sampling.max_new_tokens
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         trajectories = [Trajectory(i, self.prefix + row[m].tolist(), budget) for i, (row, m) in enumerate(zip(ids, mask))]
+        seeds = prompts.non_tensor_batch.get("sample_seed")
+        if seeds is not None:
+            for t in trajectories:
+                t.seed = int(seeds[t.index])
         if self.environment is not None:
             rows = prompts.non_tensor_batch.get("env_row")
             for t in trajectories:
@@ -213,7 +223,7 @@ class AgentLoop:
         while ready or in_engine or with_tools:
             for t in ready:
                 cap = min(t.remaining, per_turn) if per_turn > 0 else t.remaining
-                stepper.submit(t.index, t.prompt + t.tokens, replace(sampling, max_new_tokens=cap))
+                stepper.submit(t.index, t.prompt + t.tokens, replace(sampling, max_new_tokens=cap), seed=t.turn_seed())
                 in_engine[t.index] = t
             ready = []
             if in_engine:
@@ -244,8 +254,10 @@ class AgentLoop:
         per_turn = self.settings.max_tokens_per_turn
         if per_turn > 0:
             new_tokens = min(new_tokens, per_turn)
-        out = self.engine.generate(left_padded([t.prompt + t.tokens for t in batch], self.pad_id),
-                                   replace(sampling, max_new_tokens=new_tokens))
+        inputs = left_padded([t.prompt + t.tokens for t in batch], self.pad_id)
+        if all(t.seed is not None for t in batch):
+            inputs.non_tensor_batch["sample_seed"] = np.array([t.turn_seed() for t in batch], dtype=np.int64)
+        out = self.engine.generate(inputs, replace(sampling, max_new_tokens=new_tokens))
         self.engine_calls += 1
         responses, mask, lps = out.batch["responses"], out.batch["response_mask"], out.batch["rollout_log_probs"]
         for row, t in enumerate(batch):
@@ -393,28 +405,31 @@ class VLLMStepper:
         self.keys: dict[str, object] = {}
         self.counter = 0
         self.steps = 0
+        if getattr(rollout, "weights_discarded", False):
+            raise RuntimeError("agent loop: the vLLM engine's weights were discarded (level-2 sleep) and not "
+                               "reloaded; generating now would use garbage weights")
         if hasattr(rollout, "wake_up"):
             rollout.wake_up(tags=["weights", "kv_cache"])
         if self.engine.has_unfinished_requests():
             raise RuntimeError("the vLLM engine has unfinished requests; the agent loop needs it to itself")
 
-    def params(self, sampling):
+    def params(self, sampling, seed: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(n=1, max_tokens=max(1, sampling.max_new_tokens), logprobs=0,
                               temperature=sampling.temperature, top_p=sampling.top_p if not sampling.greedy else 1.0,
                               top_k=sampling.top_k if not sampling.greedy else -1,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+                              seed=None if sampling.greedy else seed, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def submit(self, key, token_ids: list[int], sampling) -> None:
+    def submit(self, key, token_ids: list[int], sampling, seed: int | None = None) -> None:
         request_id = f"agent-{self.counter}"
         self.counter += 1
         prompt = {"prompt_token_ids": list(token_ids)}
         render = getattr(self.llm, "_preprocess_cmpl_one", None)  # vLLM's own rendering of a token prompt
         if render is not None:
             prompt = render(prompt)
-        self.engine.add_request(request_id, prompt, self.params(sampling),
+        self.engine.add_request(request_id, prompt, self.params(sampling, seed),
                                 lora_request=getattr(self.rollout, "lora_request", None))
         self.keys[request_id] = key
 
