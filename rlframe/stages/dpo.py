@@ -23,7 +23,7 @@ import torch
 from rlframe.algos.preference import REFERENCE_FREE, sequence_log_probs
 from rlframe.config import RLConfig
 from rlframe.data.dataset import RLDataset, read_rows
-from rlframe.pairs import generate_pairs
+from rlframe.stages.pairs import generate_pairs
 from rlframe.stages.common import StageTrainer
 from rlframe.stages.data import collate_pairs, load_pairs
 from rlframe.trainer import checkpoint

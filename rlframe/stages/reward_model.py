@@ -59,7 +59,7 @@ class RewardModelTrainer(StageTrainer):
         if needs_pair_generation(cfg, train_files):
             out = Path(cfg.dpo.pairs_file) if cfg.dpo.pairs_file else run_dir / "data" / "pairs.jsonl"
             if not out.exists():
-                from rlframe.pairs import generate_pairs
+                from rlframe.stages.pairs import generate_pairs
 
                 sampler = PairSampler(cfg, model_path, tokenizer, run_dir)
                 try:
