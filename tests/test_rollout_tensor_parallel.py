@@ -50,3 +50,16 @@ def test_tensor_parallel_with_multi_turn_is_refused():
     cfg.rollout.multi_turn.enable = True
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size: multi-turn"):
         validate_config(cfg)
+
+
+@pytest.mark.slow  # 3 worker processes on 2 cores: ~2 min; run with `make test-all`
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_disaggregated_tp2_engine_gets_the_broadcast_weights(tmp_path, tiny_model_dir):
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "trainer.placement=disaggregated",
+                               "rollout.world_size=2", "rollout.tensor_parallel_size=2", "rollout.engine=vllm",
+                               "actor.optim.lr=1e-3", f"reward.functions=[{{path:{REWARD}}}]")
+    assert "pool rollout = 2 x rollout" in result.stdout
+    steps = [m for m in read_metrics(run_dir) if m["step"] > 0 and "actor/grad_norm" in m]
+    assert steps[-1]["actor/kl_loss"] > 0, "the second step must run on updated (broadcast) weights"
+    for m in steps:
+        assert m["rollout/logprob_abs_diff"] < 1e-4, m
