@@ -230,6 +230,10 @@ class MultiTurnConfig:
     # each model turn without a tool call: its observation becomes the next user message; the sum of its
     # rewards is added to the score (outcome reward on the last model token).
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    # where the environment's per-turn rewards go: final (their sum on the last model token, with the outcome
+    # reward) | per_turn (each on the last token of the turn it judged; same total, so grpo/rloo see no change,
+    # gae and reinforce_plus_plus with gamma < 1 credit each turn)
+    turn_rewards: str = "final"
 
 
 @dataclass
@@ -824,6 +828,8 @@ def _validate_multi_turn(cfg: RLConfig, need) -> None:
     need(mt.max_tool_response_tokens >= 1, "rollout.multi_turn.max_tool_response_tokens", "must be >= 1")
     need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0")
     need(mt.tool_prompt_tokens >= 0, "rollout.multi_turn.tool_prompt_tokens", "must be >= 0")
+    need(mt.turn_rewards in ("final", "per_turn"), "rollout.multi_turn.turn_rewards",
+         f"'{mt.turn_rewards}' is not final or per_turn. Fix: rollout.multi_turn.turn_rewards=per_turn")
     # tensor-parallel engine ranks must submit identical requests in the same order; the agent loop's
     # turns depend on when tools return, which differs between ranks
     need(cfg.rollout.tensor_parallel_size == 1, "rollout.multi_turn.enable",

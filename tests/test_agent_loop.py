@@ -211,6 +211,7 @@ def test_config_validation_names_the_key(tmp_path):
     cfg.rollout.multi_turn.tools = [ToolConfig(path=TOOLS, name="nothing"), ToolConfig(path=str(tmp_path / "no.py"))]
     cfg.rollout.multi_turn.format = "weird"
     cfg.rollout.tensor_parallel_size = 2  # TP ranks would schedule turns differently
+    cfg.rollout.multi_turn.turn_rewards = "sometimes"
     cfg.rollout.multi_turn.environment.path, cfg.rollout.multi_turn.environment.name = TOOLS, "NotAnEnv"
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
@@ -220,6 +221,7 @@ def test_config_validation_names_the_key(tmp_path):
     assert "rollout.multi_turn.format" in text
     assert "rollout.multi_turn.environment" in text and "lacks the method(s) step" in text
     assert "multi-turn rollouts need rollout.tensor_parallel_size=1 (got 2)" in text
+    assert "rollout.multi_turn.turn_rewards" in text and "'sometimes' is not final or per_turn" in text
 
 
 def test_hf_engine_multi_turn_log_probs_match_a_forward_pass(tiny_model_dir, tok):
@@ -488,3 +490,51 @@ def test_environment_errors_are_counted_and_logged(tok, caplog):
     assert metrics["agent/env_error_rate"] == 1.0 and metrics["agent/end_env_error"] == 1.0
     warnings = [r.getMessage() for r in caplog.records if "BrokenResetEnv.reset failed" in r.getMessage()]
     assert len(warnings) == 1 and "ValueError: reset failed" in warnings[0] and "agent_tools.py" in warnings[0]
+
+
+def test_per_turn_rewards_move_to_their_turns():
+    """rollout.multi_turn.turn_rewards=per_turn, by hand: row 0 has two model turns (tokens 0-1 and 4-5)
+    judged 0.5 and 1.0, outcome 1.0; the outcome placement put 2.5 on token 5. Per turn: 0.5 on token 1,
+    2.0 on token 5 (1.0 + 1.0); the total stays 2.5. Row 1 (nothing generated) stays 0."""
+    from rlframe.trainer.rl_trainer import place_scores_on_last_token
+    from rlframe.workers.rollout.agent_loop import place_turn_rewards
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [0] * 8], dtype=torch.float32)
+    placed = place_scores_on_last_token(np.array([2.5, 0.0]), mask)
+    out = place_turn_rewards(placed, [[0.5, 1.0], []], [[1, 5], []], mask)
+    assert out[0].tolist() == [0, 0.5, 0, 0, 0, 2.0, 0, 0] and out[1].sum() == 0
+    assert torch.allclose(out.sum(-1), placed.sum(-1))
+
+
+def test_environment_reward_positions_are_the_judged_turns_last_tokens(tok):
+    from rlframe.workers.rollout.agent_loop import left_padded
+
+    pa = ids(tok, "Alpha <|im_start|>user\nA", eos=False)
+    turn = ids(tok, "maybe 7")
+    engine = ScriptedEngine(tok, {tuple(pa[:3]): [turn] * 5})
+    mt = MultiTurnSettings(tools=(), format="tag", max_turns=5, tool_prompt=False, environment=(TOOLS, "CountdownEnv"))
+    out = AgentLoop(engine, mt, tok).run(left_padded([pa], tok.pad_token_id), SAMPLING)
+    feedback = len(ids(tok, ObservationRenderer(tok).text(["again None"], role="user"), eos=False))
+    step = len(turn) + feedback
+    positions = list(out.non_tensor_batch["agent_turn_reward_positions"][0])
+    assert positions == [len(turn) - 1, step + len(turn) - 1, 2 * step + len(turn) - 1]
+    assert all(out.batch["response_mask"][0, p] == 1 for p in positions)
+    assert out.batch["response_mask"][0, positions[-1] + 1:].sum() == 0  # the last judged turn ends the row
+
+
+def test_environment_first_message_from_reset_joins_the_prompt(tok):
+    """reset(row) returning text: a user message appended to the prompt before its generation prompt
+    (context, in `prompts`, not in the trained response); the engine sees it."""
+    from rlframe.workers.rollout.agent_loop import left_padded
+
+    prompt = ids(tok, "<|im_start|>user\nplay<|im_end|>\n<|im_start|>assistant\n", eos=False)
+    engine = ScriptedEngine(tok, {tuple(prompt[:3]): [ids(tok, "move")]})
+    mt = MultiTurnSettings(tools=(), format="tag", max_turns=3, tool_prompt=False, environment=(TOOLS, "GameEnv"))
+    batch = left_padded([prompt], tok.pad_token_id)
+    batch.non_tensor_batch["env_row"] = np.array([{"ground_truth": "7"}], dtype=object)
+    out = AgentLoop(engine, mt, tok).run(batch, SAMPLING)
+    expected = ids(tok, "<|im_start|>user\nplay<|im_end|>\n<|im_start|>user\nBoard for 7: X.O<|im_end|>\n"
+                        "<|im_start|>assistant\n", eos=False)
+    assert out.batch["prompts"][0, -len(expected):].tolist() == expected
+    assert out.batch["responses"][0, : len(ids(tok, "move"))].tolist() == ids(tok, "move")
+    assert out.non_tensor_batch["agent_env_reward"][0] == 1.0

@@ -383,6 +383,13 @@ class RLTrainer:
         """token_level_scores: the score (rule-based + RM) on each response's last token."""
         result, scores, metrics = self.rule_and_model_scores(batch, self.decode_responses(batch))
         batch.batch["token_level_scores"] = place_scores_on_last_token(scores, batch.batch["response_mask"])
+        nt = batch.non_tensor_batch
+        if self.cfg.rollout.multi_turn.turn_rewards == "per_turn" and "agent_turn_reward_positions" in nt:
+            from rlframe.workers.rollout.agent_loop import place_turn_rewards
+
+            batch.batch["token_level_scores"] = place_turn_rewards(
+                batch.batch["token_level_scores"], nt["agent_turn_rewards"], nt["agent_turn_reward_positions"],
+                batch.batch["response_mask"])
         metrics["critic/score/mean"] = float(np.mean(scores))
         accuracy = reported_accuracy(result)
         if accuracy is not None:

@@ -70,6 +70,7 @@ class Trajectory:
     env: object = None  # the trajectory's environment instance, if any
     env_feedback: str | None = None  # the environment's observation waiting to be appended
     turn_rewards: list = field(default_factory=list)  # the environment's reward after each model turn
+    turn_reward_positions: list = field(default_factory=list)  # the response index of that turn's last token
     env_errors: int = 0
     calls_by_tool: dict = field(default_factory=dict)
     ended_s: float | None = None  # seconds from the start of the rollout to the loop's seeing its end
@@ -120,6 +121,20 @@ class ObservationRenderer:
 
     def ids(self, observations: list[str], close_turn: bool = False, role: str | None = None) -> list[int]:
         return self.tokenizer(self.text(observations, close_turn, role), add_special_tokens=False)["input_ids"]
+
+    def with_user_message(self, prompt_ids: list[int], message: str) -> list[int]:
+        """The prompt with one more user message before its generation prompt (an environment's first
+        message from `reset`): context, as the rest of the prompt."""
+        convo = [{"role": "user", "content": "q"}]
+        base = self.tokenizer.apply_chat_template(convo, tokenize=False)
+        header = self.tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)[len(base):]
+        middle = self.tokenizer.apply_chat_template(convo + [{"role": "user", "content": message}], tokenize=False,
+                                                    add_generation_prompt=True)[len(base):]
+        encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        header_ids = encode(header)
+        if header_ids and prompt_ids[-len(header_ids):] == header_ids:
+            prompt_ids = prompt_ids[: -len(header_ids)]
+        return prompt_ids + encode(middle)
 
     def system_ids(self, content: str) -> list[int]:
         """A system message (the tool description) rendered on its own, to put in front of a prompt."""
@@ -291,12 +306,16 @@ class AgentLoop:
                          for c in calls]
 
     def start_environment(self, t: Trajectory, row) -> None:
-        """A fresh environment for the trajectory; one that raises in `reset` ends it (counted)."""
+        """A fresh environment for the trajectory; `reset(row)` may return a first message (appended to
+        the prompt as a user message, context); one that raises in `reset` ends it (counted)."""
         env, error = call_with_deadline(self.environment, self.settings.tool_timeout_s)
         where = "__init__"
+        first = None
         if error is None:
             where = "reset"
-            _, error = call_with_deadline(env.reset, self.settings.tool_timeout_s, row)
+            first, error = call_with_deadline(env.reset, self.settings.tool_timeout_s, row)
+        if error is None and isinstance(first, str) and first:  # reset's first message: a user message
+            t.prompt = self.renderer.with_user_message(t.prompt, self.truncate(first))
         if error is not None:
             t.env_errors += 1
             t.end = END_ENV_ERROR
@@ -311,6 +330,7 @@ class AgentLoop:
             try:
                 observation, reward, done = result
                 t.turn_rewards.append(float(reward))
+                t.turn_reward_positions.append(len(t.tokens) - 1)
             except (TypeError, ValueError):
                 error = f"step returned {result!r}, not (observation, reward, done)"
         if error is not None:
@@ -386,6 +406,7 @@ class AgentLoop:
             # the environment's rewards: per model turn (for estimators that use them) and their sum
             "agent_turn_rewards": object_array([list(t.turn_rewards) for t in trajectories]),
             "agent_env_reward": np.array([float(sum(t.turn_rewards)) for t in trajectories], dtype=object),
+            "agent_turn_reward_positions": object_array([list(t.turn_reward_positions) for t in trajectories]),
         })
         out.meta_info["agent/engine_calls"] = self.engine_calls
         return out
@@ -463,6 +484,22 @@ def left_padded(sequences: list[list[int]], pad_id: int) -> DataProto:
         mask[i, width - len(s):] = 1
     return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
                                         "position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0)})
+
+
+def place_turn_rewards(token_scores: torch.Tensor, turn_rewards, positions, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-turn credit (rollout.multi_turn.turn_rewards=per_turn): each environment reward moves from the
+    last model token (where the outcome placement put their sum) to the last token of the turn it judged.
+    A row's total is unchanged, so outcome estimators (grpo, rloo, ...) see the same score; estimators
+    that discount along the sequence (gae, reinforce_plus_plus with gamma < 1) credit each turn."""
+    out = token_scores.clone()
+    last = (torch.arange(response_mask.size(-1)) * (response_mask > 0)).max(dim=-1).values
+    for i, (rewards, where) in enumerate(zip(turn_rewards, positions)):
+        if response_mask[i].sum() == 0:
+            continue
+        for reward, position in zip(rewards, where):
+            out[i, int(last[i])] -= float(reward)
+            out[i, int(position)] += float(reward)
+    return out
 
 
 def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:

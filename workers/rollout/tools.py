@@ -294,7 +294,7 @@ class ToolCallRun:
 
 
 def load_environment(path: str, name: str):
-    """The environment class `name` of the file `path`: `reset(row) -> None` and
+    """The environment class `name` of the file `path`: `reset(row) -> first message | None` and
     `step(model_text) -> (observation | None, reward, done)` (see reward_fns-like ready ones in tools/)."""
     resolved = resolve_tool_path(path)
     module = _import_tool_file(resolved, f"environment '{name}'")
