@@ -14,8 +14,8 @@ of rlframe/algos): what changes is the model.
 - Tensor parallelism: the world is split into groups of `tp` consecutive ranks (Megatron's
   parallel_state); the ranks of a group first exchange their data-parallel chunks (as Ulysses does,
   `gather_rows`), so the driver dispatches exactly as for FSDP and every rank of a group computes
-  the same loss on the union of the chunks. Logits are gathered over the vocabulary-parallel LM head
-  (`parallel_output=False`), so log-probs and entropies go through the same functions as FSDP's.
+  the same loss on the union of the chunks. Logits are all-gathered over the vocabulary-parallel LM
+  head (`_GatherVocab`), so log-probs and entropies go through the same functions as FSDP's.
 - Loss normalisation: the base loop normalises by the global token / sequence counts (counted once per
   TP group: `sequence_parallel_size` reports `tp` as the number of ranks that hold each row) and
   calls `backward(loss * world)`; we backpropagate `loss / world` and sum the gradients over the
@@ -114,15 +114,35 @@ def attention_mask_for(attention_mask: torch.Tensor) -> torch.Tensor:
 class MegatronCausalLM(nn.Module):
     """The Megatron GPTModel with the HF config attached (roles write `model.config` next to exported weights)."""
 
-    def __init__(self, gpt: nn.Module, hf_config, arch: GPTArch):
+    def __init__(self, gpt: nn.Module, hf_config, arch: GPTArch, tp_group=None):
         super().__init__()
-        self.gpt, self.config, self.arch = gpt, hf_config, arch
+        self.gpt, self.config, self.arch, self.tp_group = gpt, hf_config, arch, tp_group
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [b, s, V] (the TP shards of the LM head gathered)."""
         logits = self.gpt(input_ids=input_ids, position_ids=position_ids,
                           attention_mask=attention_mask_for(attention_mask))
+        if self.tp_group is not None:
+            logits = _GatherVocab.apply(logits, self.tp_group)
         return logits[..., : self.arch.vocab_size]
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather the vocabulary-parallel logits along the last dim; the backward keeps this rank's slice.
+
+    (megatron-core 0.16's own gather allocates on torch.cuda.current_device(): not on CPU.)"""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group, ctx.width = group, local.size(-1)
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = dist.get_rank(ctx.group) * ctx.width
+        return grad[..., start: start + ctx.width].contiguous(), None
 
 
 def init_model_parallel(tp: int, pp: int = 1, cp: int = 1) -> None:
@@ -162,7 +182,7 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab(tp),
                    max_sequence_length=arch.max_position_embeddings, pre_process=True, post_process=True,
-                   parallel_output=False, share_embeddings_and_output_weights=arch.tie_embeddings,
+                   parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
                    position_embedding_type="rope", rotary_base=int(arch.rope_theta)
                    if float(arch.rope_theta).is_integer() else arch.rope_theta)
     if not profile.is_gpu:
@@ -238,7 +258,7 @@ class MegatronEngine(TrainerEngine):
         torch.manual_seed(0)  # (perform_initialization=False: the values are all overwritten below)
         gpt = build_gpt(arch, self.tp, profile)
         load_local_state(gpt, hf_to_megatron(_read_hf_state(settings.model_path), arch, self.tp_rank, self.tp))
-        self.model = MegatronCausalLM(gpt, hf_config, arch)
+        self.model = MegatronCausalLM(gpt, hf_config, arch, self.tp_group if self.tp > 1 else None)
         self.arch = arch
         self.sharded = self.tp > 1 or self.dp > 1
         self.optimizer_steps = self.consecutive_skips = 0
