@@ -28,7 +28,8 @@ def barrier() -> None:
 
 
 def collective_device() -> torch.device:
-    """Where the default group's collectives need their tensors (cuda for NCCL, else cpu)."""
+    """Where the default group's collectives need their tensors: cuda for an NCCL-only group, else
+    cpu (gloo, or the workers' cpu:gloo,cuda:nccl group, which takes CPU tensors over gloo)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

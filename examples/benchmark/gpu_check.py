@@ -108,7 +108,8 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    # the workers' group: CUDA tensors over NCCL, CPU tensors (offloaded gradients' norm) over gloo
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
     if args.device == "cuda":
         torch.cuda.set_device(0)
     model_dir, n_params = build_model_dir(args.size)

@@ -4,7 +4,7 @@ from rlframe.controller.dispatch import Dispatch, register
 from rlframe.controller.errors import WorkerDied, WorkerError, WorkerTimeout
 from rlframe.controller.resource_pool import ResourcePool
 from rlframe.controller.worker_group import Future, RoleHandle, WorkerGroup
-from rlframe.controller.worker_host import WorkerHost
+from rlframe.controller.worker_host import WorkerHost, process_group_backend
 
 __all__ = [
     "Dispatch",
@@ -16,5 +16,6 @@ __all__ = [
     "WorkerGroup",
     "WorkerHost",
     "WorkerTimeout",
+    "process_group_backend",
     "register",
 ]

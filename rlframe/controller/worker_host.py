@@ -31,6 +31,14 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def process_group_backend(uses_gpus: bool) -> str:
+    """The workers' default process group: on GPUs one group that carries both devices -- CUDA tensors
+    over NCCL, CPU tensors over gloo (scalar metrics, Python objects, FSDP2's CPU-offloaded gradients
+    in the norm of gradient clipping, checkpoint metadata) -- so no collective meets a backend that
+    refuses its device; gloo alone on CPUs."""
+    return "cpu:gloo,cuda:nccl" if uses_gpus else "gloo"
+
+
 def _select_cuda_device() -> None:
     """Bind this process to its GPU. Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPUs."""
     gpu_ids = ray.get_gpu_ids()
@@ -84,7 +92,7 @@ class WorkerHost:
                 MASTER_PORT=str(master_port),
             )
             if backend is not None and not torch.distributed.is_initialized():
-                if backend == "nccl":
+                if "nccl" in backend:
                     _select_cuda_device()
                 kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
                 torch.distributed.init_process_group(

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from rlframe.config import RLConfig, to_container
-from rlframe.controller import WorkerGroup
+from rlframe.controller import WorkerGroup, process_group_backend
 from rlframe.controller.cluster import check_cluster, list_nodes
 from rlframe.controller.placement import make_pool
 from rlframe.data.dataset import RLDataset, collate_prompts
@@ -36,7 +36,7 @@ def start_stage_workers(cfg: RLConfig, roles: dict, main_role: str = "actor_roll
     plans = plan_placement(cfg)
     pools = [make_pool(plans[0], request, chosen)]
     try:
-        group = WorkerGroup(pools[0], roles, backend="nccl" if request.gpus else "gloo", name=plans[0].name,
+        group = WorkerGroup(pools[0], roles, backend=process_group_backend(bool(request.gpus)), name=plans[0].name,
                             default_timeout_s=cfg.trainer.timeouts.init)
     except BaseException:
         pools[0].remove()

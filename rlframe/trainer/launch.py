@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlframe.config import RLConfig, devices_needed, rollout_world_size
-from rlframe.controller import ResourcePool, RoleHandle, WorkerGroup
+from rlframe.controller import ResourcePool, RoleHandle, WorkerGroup, process_group_backend
 from rlframe.controller.cluster import ClusterRequest, NodeInfo, check_cluster, device_unit, list_nodes, uses_gpus
 from rlframe.controller.placement import PoolPlan, make_pool, plan_pools
 from rlframe.models.provision import resolve_model_path
@@ -135,7 +135,7 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
     nodes = list_nodes()
     request = cluster_request(cfg, nodes)
     chosen = check_cluster(request, nodes)
-    backend = "nccl" if request.gpus else "gloo"
+    backend = process_group_backend(bool(request.gpus))  # GPU: cpu:gloo,cuda:nccl
     timeout = cfg.trainer.timeouts.init
     plans = plan_placement(cfg)
     pools = [make_pool(plan, request, chosen) for plan in plans]
@@ -154,7 +154,7 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
                                                        "weight_sync_timeout_s": cfg.trainer.timeouts.weight_sync})},
                 backend=backend, name=plans[1].name, default_timeout_s=timeout))
             rollout = groups[1].role("rollout")
-            _init_weight_sync(cfg, actor, rollout, backend, timeout)
+            _init_weight_sync(cfg, actor, rollout, "nccl" if request.gpus else "gloo", timeout)  # CUDA buffers only
             actor_rollout = DisaggregatedActorRollout(actor, rollout)
     except BaseException:
         Workers(groups, pools, actor_rollout=None).shutdown()
