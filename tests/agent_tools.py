@@ -37,6 +37,10 @@ def bad_schema(x: str) -> str:
     return x
 
 
+def broken_parser(text, tools):
+    raise KeyError("a parser bug")
+
+
 def every_turn(text, tools):
     """Every model turn calls `echo` (so a random-init model produces multi-turn trajectories)."""
     return [ToolCall(name="echo", arguments={"text": "x"})]

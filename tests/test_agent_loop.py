@@ -402,6 +402,9 @@ class SteppedScriptedEngine(ScriptedEngine):
                 engine.seeds.append((engine.calls[-1][1][0], seed))
                 self.running.append([key, tokens[:n].tolist(), 0, engine.calls[-1][1][0]])
 
+            def abort_all(self):
+                self.running = []
+
             def step(self):
                 engine.steps += 1
                 done = []
@@ -538,3 +541,14 @@ def test_environment_first_message_from_reset_joins_the_prompt(tok):
     assert out.batch["prompts"][0, -len(expected):].tolist() == expected
     assert out.batch["responses"][0, : len(ids(tok, "move"))].tolist() == ids(tok, "move")
     assert out.non_tensor_batch["agent_env_reward"][0] == 1.0
+
+
+def test_a_failing_user_parser_is_a_malformed_call(tok):
+    prompt = ids(tok, "<|im_start|>user\nq", eos=False)
+    engine = ScriptedEngine(tok, {tuple(prompt[:3]): [ids(tok, "x"), ids(tok, "y")]})
+    out = make_loop(engine, tok, ("echo",), format=f"{TOOLS}:broken_parser", max_turns=2).run(
+        prompt_batch(tok, [prompt]), SAMPLING)
+    nt = out.non_tensor_batch
+    assert nt["agent_tool_errors"][0] == 1 and nt["agent_end"][0] == END_TURN_LIMIT
+    text = tok.decode(out.batch["responses"][0][out.batch["attention_mask"][0, -128:].bool()].tolist())
+    assert "the tool-call parser failed: KeyError" in text

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.tools import (Tool, ToolCallRun, ToolResult, call_with_deadline, get_parser,
+from rlframe.workers.rollout.tools import (Tool, ToolCall, ToolCallRun, ToolResult, call_with_deadline, get_parser,
                                           load_environment, load_tool, tool_prompt)
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,10 @@ class AgentLoop:
         stepper = self.stepper_for(self.engine) if self.scheduling != "rounds" else None
         self.started = time.monotonic()
         if stepper is not None:
-            self.run_continuous(trajectories, sampling, stepper)
+            try:
+                self.run_continuous(trajectories, sampling, stepper)
+            finally:
+                stepper.abort_all()  # nothing of this rollout stays in the engine if it failed midway
         else:
             self.run_rounds(trajectories, sampling)
         self.stamp(trajectories)
@@ -291,7 +294,10 @@ class AgentLoop:
             t.end = END_BUDGET  # cut by the budget before its end-of-turn
             return
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        calls = self.parse(text, self.tools) if self.tools else []
+        try:
+            calls = self.parse(text, self.tools) if self.tools else []
+        except Exception as exc:  # a user parser's bug is a malformed call the model sees, not a crash
+            calls = [ToolCall(name="", arguments=None, error=f"the tool-call parser failed: {type(exc).__name__}: {exc}")]
         if not calls and t.env is not None:
             self.environment_step(t, text)
         elif not calls:
@@ -453,6 +459,11 @@ class VLLMStepper:
         self.engine.add_request(request_id, prompt, self.params(sampling, seed),
                                 lora_request=getattr(self.rollout, "lora_request", None))
         self.keys[request_id] = key
+
+    def abort_all(self) -> None:
+        if self.keys:
+            self.engine.abort_request(list(self.keys))
+            self.keys.clear()
 
     def step(self) -> list[tuple[object, list[int], list[float]]]:
         finished = []
