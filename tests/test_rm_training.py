@@ -66,3 +66,18 @@ def test_bradley_terry_objective_by_hand():
     # (log(1 + e^-1) + log 2) / 2 pairs
     assert out.loss.item() == pytest.approx((math.log(1 + math.exp(-1)) + math.log(2)) / 2)
     assert out.stats["rm/accuracy"] == 0.5
+
+
+@pytest.mark.slow  # ~90 s: pair generation with the HF engine, then the reward-model trainer in its own process
+def test_rm_math_recipe_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
+    from conftest import read_metrics, run_tiny
+
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "rm_math", "rollout.engine=hf", "pairs.prompts=24", "pairs.n=3",
+                               "pairs.min_score_gap=0.01", "rm.batch_size=2", "rm.epochs=1",
+                               "reward.functions=[{path: tests/length_reward.py, name: compute_score}]")
+    metrics = read_metrics(run_dir)
+    assert [m for m in metrics if "rm/loss" in m][0]["rm/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert "val/rm_accuracy" in metrics[-1]
+    config = json.loads((run_dir / "hf_model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    assert "reward_model.path=" in result.stdout

@@ -119,6 +119,7 @@ def test_bad_sft_rows_named_by_file_and_row(tiny_model_dir, tmp_path):
     assert kept[1].response_ids[-1] == tok.eos_token_id
 
 
+@pytest.mark.slow  # ~35 s: the recipe's plumbing (data, workers, validation, export) in its own process
 def test_sft_math_recipe_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
     run_dir, result = run_tiny(tmp_path, tiny_model_dir, "sft_math", "data.arithmetic.n_train=32", "sft.batch_size=8",
                                "sft.micro_batch_size=4", "sft.max_length=256", "rollout.engine=hf", "sft.epochs=1")
