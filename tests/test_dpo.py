@@ -148,3 +148,22 @@ def test_dpo_math_recipe_with_pair_generation_end_to_end(tiny_model_dir, tmp_pat
     assert len(steps) == len(pairs) // 2
     assert steps[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at step 1
     assert "pairs/pairs" in metrics[0] and (run_dir / "hf_model" / "config.json").exists()
+
+
+@pytest.mark.slow  # ~60 s: the pairs command in its own process (HF engine)
+def test_pairs_command_writes_scored_pairs(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "pairs.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlframe.pairs", "recipe=dpo_math", f"model.path={tiny_model_dir}", "rollout.engine=hf",
+         "data.arithmetic.n_train=64", "data.max_response_length=16", "pairs.prompts=6", "pairs.n=3",
+         "pairs.min_score_gap=0.01", "trainer.num_cpus=4", f"out={out}",
+         "reward.functions=[{path: tests/length_reward.py, name: compute_score}]"],
+        cwd=tmp_path, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(r["chosen_score"] - r["rejected_score"] >= 0.01 and r["chosen"] != r["rejected"] for r in rows)
+    assert isinstance(rows[0]["prompt"], list) and rows[0]["prompt"][0]["role"] == "user"
