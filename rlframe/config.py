@@ -374,6 +374,9 @@ class TrainerConfig:
     # warn = print the problem and run | off = no plan.
     memory_check: str = "error"
     device_memory_gib: Optional[float] = None  # one device's memory for the plan (default: measured here)
+    # One device's peak TFLOP/s for perf/mfu (default: the datasheet bf16 figure of known GPUs, the
+    # fp32 matmul rate measured at start on CPU).
+    device_peak_tflops: Optional[float] = None
 
 
 # OpenRLHF's DeepSpeed flags that rlframe does not implement: key -> what it is (set, it is an error).

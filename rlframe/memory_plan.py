@@ -53,6 +53,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     experts: int = 1
+    tied: bool = False  # the LM head shares the input embedding matrix
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
@@ -70,9 +71,10 @@ class ModelShape:
         if text.get("attention_bias") or str(text.get("model_type", "")).startswith("qwen2"):
             attention += heads * head_dim + 2 * kv_heads * head_dim
         per_layer = attention + 3 * h * inter * experts + 2 * h
-        embeddings = vocab * h * (1 if text.get("tie_word_embeddings", config.get("tie_word_embeddings")) else 2)
+        tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
+        embeddings = vocab * h * (1 if tied else 2)
         return cls(params=embeddings + layers * per_layer + h, layers=layers, hidden=h, intermediate=inter,
-                   vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts)
+                   vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts, tied=tied)
 
     @property
     def layer_params(self) -> int:

@@ -34,6 +34,7 @@ CHARTS: list[tuple[str, list[tuple[str, str, bool]]]] = [
                              ("critic/vf_loss", "value loss", False)]),
     ("Throughput (tokens/s)", [("perf/generated_tokens_per_s", "generation", False),
                                ("perf/actor_train_tokens_per_s", "actor update", False)]),
+    ("Model FLOPs utilisation", [("perf/mfu", "MFU", False)]),
 ]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
 WIDTH, HEIGHT, PAD_L, PAD_R, PAD_T, PAD_B = 520, 260, 62, 16, 28, 40

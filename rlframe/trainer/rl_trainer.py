@@ -41,7 +41,8 @@ from rlframe.data.sampler import StatefulSampler
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
 from rlframe.rng import sample_seeds
-from rlframe.trainer import algorithm_steps, checkpoint, fault
+from rlframe.memory_plan import read_shape
+from rlframe.trainer import algorithm_steps, checkpoint, fault, perf
 from rlframe.trainer.launch import Workers, start_workers
 from rlframe.trainer.tracking import Tracker
 
@@ -144,6 +145,8 @@ class RLTrainer:
                                  and not cfg.algorithm.use_kl_in_reward)  # the reward KL needs old log-probs
         register_configured_plugins(to_container(cfg)["algorithm"])  # user estimator/loss files, before workers
         self.kl_ctrl = algorithm_steps.make_kl_controller(cfg)
+        self.model_shape = read_shape(model_path)  # for perf/mfu (rlframe/trainer/perf.py)
+        self.peak_tflops, self.devices = perf.device_peak(cfg)
         self._start_workers()
 
     # ------------------------------------------------------------------ workers
@@ -255,6 +258,11 @@ class RLTrainer:
             metrics["timing/step"] = time.perf_counter() - step_start
             metrics["perf/generated_tokens_per_s"] = float(batch.batch["response_mask"].sum()) / max(
                 self.phase_times["rollout"], 1e-9)
+            forward_passes = sum(phase in self.phase_times for phase in ("old_log_prob", "ref_log_prob", "values"))
+            trained_passes = sum(phase in self.phase_times for phase in ("update", "update_critic"))
+            metrics.update(perf.step_perf(self.model_shape, batch.batch["attention_mask"], batch.batch["response_mask"],
+                                          self.phase_times, metrics["timing/step"], forward_passes, trained_passes,
+                                          self.peak_tflops, self.devices))
             if cfg.trainer.val_every and step % cfg.trainer.val_every == 0 and step != cfg.trainer.total_steps:
                 metrics.update(self.validate())
             if step == cfg.trainer.total_steps and cfg.trainer.val_at_end and self.val_set:

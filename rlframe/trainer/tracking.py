@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 CONSOLE_KEYS = ("critic/score/mean", "val/reward_mean", "val/accuracy", "actor/pg_loss", "actor/kl_loss",
-                "rollout/logprob_abs_diff", "response_length/mean")
+                "rollout/logprob_abs_diff", "response_length/mean", "perf/mfu")
 REWARD_KEYS = ("critic/score/mean", "reward/score_mean")
 
 

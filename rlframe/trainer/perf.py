@@ -1,0 +1,95 @@
+"""Model FLOPs utilisation (MFU) and per-phase throughput of a training step.
+
+Forward FLOPs of one sequence of n tokens through a decoder-only transformer (the accounting of
+PaLM, Chowdhery et al. 2022, appendix B, with causal attention):
+
+    F(n) = 2 * N * n + 2 * L * d * n^2
+
+N: the parameters that multiply (all but the input embedding lookup; a tied LM head counts once),
+L layers, d = heads * head_dim; token i attends to i tokens (QK^T and AV: 4 * d * i per layer).
+The backward pass costs twice the forward, so a trained token costs 3x. A step's model FLOPs:
+generation (prompt + response, forward), each log-prob pass (old, reference, values: forward), the
+actor update (3x), the critic update (3x). MFU = step FLOPs / step seconds / (peak FLOP/s x devices).
+Peak: the datasheet dense bf16 rate of known GPUs, or the fp32 matmul rate measured on this machine
+(CPU; all its cores are one "device"; measured when the run starts, so a machine busy with other
+work at that moment reads a low peak and a high MFU).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlframe.memory_plan import ModelShape
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' datasheets.
+GPU_BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "H20": 148.0, "B200": 2250.0,
+                        "A100": 312.0, "A800": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0}
+
+
+# The driver's phases that run the model over the batch (rollout*: generated tokens; others: all tokens).
+MODEL_PHASES = ("rollout", "rollout_greedy", "old_log_prob", "ref_log_prob", "values", "update", "update_critic")
+
+
+def gpu_peak_tflops(device_name: str) -> float | None:
+    for model, peak in GPU_BF16_PEAK_TFLOPS.items():
+        if model in device_name:
+            return peak
+    return None
+
+
+def measured_matmul_tflops(size: int = 1024, reps: int = 3) -> float:
+    """fp32 matmul rate of this process on the CPU (all its threads)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def multiplying_params(shape: ModelShape) -> int:
+    return shape.params - (0 if shape.tied else shape.vocab * shape.hidden)
+
+
+def forward_flops(shape: ModelShape, lengths: torch.Tensor) -> float:
+    """F summed over sequences of the given lengths (real tokens, padding excluded)."""
+    n = lengths.double()
+    attention_width = shape.heads * shape.head_dim
+    return float(2 * multiplying_params(shape) * n.sum() + 2 * shape.layers * attention_width * (n * n).sum())
+
+
+def step_flops(shape: ModelShape, lengths: torch.Tensor, forward_passes: int, trained_passes: int) -> float:
+    """Generation + `forward_passes` log-prob passes + `trained_passes` updates (3x) over the batch."""
+    return forward_flops(shape, lengths) * (1 + forward_passes + 3 * trained_passes)
+
+
+def step_perf(shape: ModelShape, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+              phase_seconds: dict[str, float], step_seconds: float, forward_passes: int, trained_passes: int,
+              peak_tflops: float | None, devices: int) -> dict[str, float]:
+    """perf/mfu, perf/model_tflops and perf/tokens_per_s/<phase> of one step."""
+    lengths = attention_mask.sum(-1)
+    tokens, generated = float(lengths.sum()), float(response_mask.sum())
+    flops = step_flops(shape, lengths, forward_passes, trained_passes)
+    metrics = {"perf/model_tflops": flops / max(step_seconds, 1e-9) / 1e12}
+    if peak_tflops:
+        metrics["perf/mfu"] = metrics["perf/model_tflops"] / (peak_tflops * devices)
+    for phase, seconds in phase_seconds.items():
+        if seconds > 0 and phase in MODEL_PHASES:
+            metrics[f"perf/tokens_per_s/{phase}"] = (generated if phase.startswith("rollout") else tokens) / seconds
+    return metrics
+
+
+def device_peak(cfg) -> tuple[float | None, int]:
+    """(peak TFLOP/s of one device, devices of the run): trainer.device_peak_tflops, else the datasheet
+    figure of this machine's GPU, else (CPU) the measured matmul rate with one device per node."""
+    from rlframe.config import devices_needed
+    from rlframe.memory_plan import plans_gpu
+
+    if plans_gpu(cfg):
+        peak = cfg.trainer.device_peak_tflops
+        if peak is None and torch.cuda.is_available():
+            peak = gpu_peak_tflops(torch.cuda.get_device_name(0))
+        return peak, devices_needed(cfg)
+    return cfg.trainer.device_peak_tflops or measured_matmul_tflops(), cfg.trainer.nnodes
