@@ -393,7 +393,7 @@ UNHONOURED_DEEPSPEED_KEYS = {
 @dataclass
 class MegatronConfig:
     """actor.strategy=megatron (workers/engine/megatron.py): Megatron-core GPT (local layer spec, SDPA
-    attention) for the actor and the reference policy. actor.world_size = TP x PP x CP x data-parallel size."""
+    attention) for the actor, the reference policy and the critic. actor.world_size = TP x PP x CP x data-parallel size."""
 
     tensor_model_parallel_size: int = 1  # must divide the attention heads and key/value heads
     pipeline_model_parallel_size: int = 1  # must divide the layers; only 1 is implemented
@@ -756,7 +756,7 @@ def validate_model_lora(cfg: RLConfig, model_dir: str) -> None:
 def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> None:
     """actor.strategy=megatron: the package, the parallel sizes against the world size and against the
     model (architecture, heads, layers; when its config is on disk: `model_dir`, a folder, or a
-    provisioned embedded model), and what the engine does not run (critic, Ulysses, PP/CP > 1)."""
+    provisioned embedded model), and what the engine does not run (Ulysses, PP/CP > 1)."""
     if cfg.actor.strategy != "megatron":  # (the section is ignored, so a recipe can be compared with fsdp)
         return
     import importlib.util
@@ -781,9 +781,6 @@ def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> Non
          f"{cp}: context parallelism is not implemented by rlframe's megatron engine. Fix: 1")
     need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
          "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
-    need(cfg.algorithm.adv_estimator != "gae", "actor.strategy",
-         "the megatron engine has no value head yet (PPO's critic, algorithm.adv_estimator=gae). Fix: a "
-         "critic-free estimator (e.g. algorithm.adv_estimator=grpo), or actor.strategy=fsdp")
     folder = _local_model_dir(model_dir or cfg.model.path)
     layers_divide = True
     if folder is not None:

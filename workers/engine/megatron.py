@@ -30,7 +30,11 @@ of rlframe/algos): what changes is the model.
   `python -m rlframe.export` and resume at another TP size or on the FSDP engine.
 
 Not here (config validation says so before any worker starts): pipeline parallelism (PP > 1),
-context and expert parallelism, Megatron's sequence parallelism, and the critic (value head).
+context and expert parallelism, Megatron's sequence parallelism.
+
+PPO's critic (`head="value"`): the same GPT body without its LM head (embedding -> decoder with the
+final norm) and the value head of `value_model.py` (`Linear(hidden, 1)`, zero-initialised, replicated
+over TP, its own LR), saved under the same names as the FSDP critic's.
 """
 
 from __future__ import annotations
@@ -51,8 +55,7 @@ from rlframe.rng import capture_rng_state, restore_rng_state
 from rlframe.workers.distributed import barrier, rank as global_rank, world_size
 from rlframe.workers.engine.base import TrainerEngine
 from rlframe.workers.engine.hf_model import LOGIT_CHUNK, trim_padding_columns
-from rlframe.workers.engine.megatron_convert import (GPTArch, hf_to_megatron, is_tensor_parallel, megatron_names,
-                                                     megatron_to_hf)
+from rlframe.workers.engine.megatron_convert import GPTArch, hf_to_megatron, is_tensor_parallel, megatron_to_hf
 from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
 from rlframe.workers.sequence_parallel import SequenceParallelGroup, gather_rows
 from rlframe.workers.settings import EngineSettings
@@ -125,6 +128,25 @@ class MegatronCausalLM(nn.Module):
         if self.tp_group is not None:
             logits = _GatherVocab.apply(logits, self.tp_group)
         return logits[..., : self.arch.vocab_size]
+
+
+class MegatronValueModel(nn.Module):
+    """The GPT body (embedding, decoder with its final norm; no LM head) + a scalar value head: values [b, s]."""
+
+    def __init__(self, gpt: nn.Module, hf_config, arch: GPTArch):
+        super().__init__()
+        self.gpt, self.config, self.arch = gpt, hf_config, arch
+        gpt.output_layer = None  # (untied checkpoints: the LM head is not part of the value model)
+        self.value_head = nn.Linear(arch.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
+        rope = self.gpt.rotary_pos_emb(hidden.size(0))
+        hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=attention_mask_for(attention_mask),
+                                  rotary_pos_emb=rope)
+        return self.value_head(hidden).squeeze(-1).transpose(0, 1).float()
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -213,9 +235,8 @@ def _read_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_local_state(gpt: nn.Module, local: dict[str, torch.Tensor]) -> None:
-    """Copy converted tensors into the GPT parameters; every parameter must be covered."""
-    params = dict(gpt.named_parameters())
+def load_local_state(params: dict[str, nn.Parameter], local: dict[str, torch.Tensor]) -> None:
+    """Copy converted tensors into the parameters; every parameter must be covered."""
     missing = sorted(set(params) - set(local))
     if missing:
         raise KeyError(f"no converted tensor for Megatron parameters {missing[:5]}")
@@ -234,9 +255,6 @@ class MegatronEngine(TrainerEngine):
         from transformers import AutoConfig
 
         mg = settings.megatron
-        if settings.head == "value":
-            raise ValueError(f"{name}: the megatron engine has no value head yet (PPO's critic). "
-                             "Fix: a critic-free estimator (algorithm.adv_estimator=grpo), or actor.strategy=fsdp")
         if mg.pipeline_model_parallel_size != 1 or mg.context_parallel_size != 1:
             raise ValueError(f"{name}: megatron pipeline / context parallelism is not implemented. "
                              "Fix: megatron.pipeline_model_parallel_size=1 and megatron.context_parallel_size=1")
@@ -257,9 +275,17 @@ class MegatronEngine(TrainerEngine):
         self.row_group = SequenceParallelGroup(self.tp_group, self.tp, self.tp_rank) if self.tp > 1 else None
         torch.manual_seed(0)  # (perform_initialization=False: the values are all overwritten below)
         gpt = build_gpt(arch, self.tp, profile)
-        load_local_state(gpt, hf_to_megatron(_read_hf_state(settings.model_path), arch, self.tp_rank, self.tp))
-        self.model = MegatronCausalLM(gpt, hf_config, arch, self.tp_group if self.tp > 1 else None)
+        self.value_head = settings.head == "value"
+        if self.value_head:
+            self.model = MegatronValueModel(gpt, hf_config, arch).to(self.device)
+        else:
+            self.model = MegatronCausalLM(gpt, hf_config, arch, self.tp_group if self.tp > 1 else None)
         self.arch = arch
+        hf_state = _read_hf_state(settings.model_path)
+        # (a critic built from a causal LM has no value head on disk: it stays at zero)
+        names = [n for n in self.params if n in self._gpt_names or n in hf_state]
+        load_local_state({n: self.params[n] for n in names},
+                         hf_to_megatron(hf_state, arch, self.tp_rank, self.tp, names=names))
         self.sharded = self.tp > 1 or self.dp > 1
         self.optimizer_steps = self.consecutive_skips = 0
         train = settings.optim is not None
@@ -270,11 +296,29 @@ class MegatronEngine(TrainerEngine):
             return
         self.model.train()
         optim = settings.optim
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=optim.lr,
-                                           betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+        if self.value_head:  # the head starts at zero and must reach the reward scale: its own LR
+            head = list(self.model.value_head.parameters())
+            groups = [{"params": [p for p in self.model.gpt.parameters()], "lr": optim.lr},
+                      {"params": head, "lr": optim.head_lr or optim.lr}]
+        else:
+            groups = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas),
+                                           weight_decay=optim.weight_decay)
         warmup = max(optim.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        """Megatron names (the GPT's) and `value_head.*` (the critic's head) -> this rank's parameters."""
+        named = dict(self.model.gpt.named_parameters())
+        if self.value_head:
+            named.update({f"value_head.{n}": p for n, p in self.model.value_head.named_parameters()})
+        return named
+
+    @property
+    def _gpt_names(self) -> set[str]:
+        return {n for n, _ in self.model.gpt.named_parameters()}
 
     # ------------------------------------------------------------------ the interface
     @property
@@ -293,6 +337,11 @@ class MegatronEngine(TrainerEngine):
                                                    ("input_ids", "attention_mask", "position_ids"))
         start, end = trim_padding_columns(attention_mask, response_width)
         prompt_width = input_ids.size(1) - response_width
+        pad = response_width - (end - prompt_width)
+        if self.value_head:  # V before each response token: the previous column's hidden state
+            values = self.model(input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end])
+            values = values[:, prompt_width - start - 1: end - start - 1]
+            return {"values": torch.nn.functional.pad(values, (0, pad)) if pad else values}
         logits = self.model(input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end])
         # logits at column c predict the token at column c + 1
         response_logits = logits[:, prompt_width - 1 - start: end - 1 - start]
@@ -302,7 +351,6 @@ class MegatronEngine(TrainerEngine):
         out = {"log_probs": log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)}
         if with_entropy:
             out["entropy"] = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK)
-        pad = response_width - (end - prompt_width)
         return {k: torch.nn.functional.pad(v, (0, pad)) if pad else v for k, v in out.items()}
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -316,7 +364,7 @@ class MegatronEngine(TrainerEngine):
             for p in params:
                 dist.all_reduce(p.grad, group=self.dp_group)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        names = {id(p): n for n, p in self.model.gpt.named_parameters()}
+        names = {id(p): n for n, p in self.params.items()}
         for p in params:
             if self.tp_rank == 0 or is_tensor_parallel(names[id(p)]):
                 squares += p.grad.detach().double().pow(2).sum()
@@ -347,7 +395,7 @@ class MegatronEngine(TrainerEngine):
 
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors, one Megatron parameter gathered at a time (every rank iterates)."""
-        return self._iter_hf(self.model.gpt.named_parameters(), dtype)
+        return self._iter_hf(self.params.items(), dtype)
 
     # ------------------------------------------------------------------ checkpoints (checkpoint.py's layout)
     def save_state(self, out_dir: str, tokenizer_source: str | None = None) -> None:
@@ -355,11 +403,11 @@ class MegatronEngine(TrainerEngine):
         weights = {n: t.cpu() for n, t in self.iter_full_weights()}
         state: dict[str, dict] = {}
         for key in ADAM_STATE_KEYS:
-            moments = ((n, self.optimizer.state[p][key]) for n, p in self.model.gpt.named_parameters()
+            moments = ((n, self.optimizer.state[p][key]) for n, p in self.params.items()
                        if p in self.optimizer.state)
             for hf_name, tensor in self._iter_hf(moments, None):
                 state.setdefault(hf_name, {})[key] = tensor.cpu()
-        for name, p in self.model.gpt.named_parameters():
+        for name, p in self.params.items():
             if p in self.optimizer.state:
                 step = self.optimizer.state[p]["step"]
                 for hf_name, _ in megatron_to_hf(name, [p.detach()] * (self.tp if is_tensor_parallel(name) else 1),
@@ -367,8 +415,14 @@ class MegatronEngine(TrainerEngine):
                     state.setdefault(hf_name, {})["step"] = step.clone()
         if self.arch.tie_embeddings:
             state.pop("lm_head.weight", None)
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        optim_state = {"state": state, "param_groups": [{**group, "params": sorted(state)}]}
+        names = {id(p): n for n, p in self.params.items()}
+        groups = []
+        for group in self.optimizer.param_groups:  # (the critic: backbone, then the value head with its LR)
+            hf_names = [hf for p in group["params"] for hf, _ in megatron_to_hf(
+                names[id(p)], [p.detach()] * (self.tp if is_tensor_parallel(names[id(p)]) else 1), self.arch)
+                if hf in state]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": hf_names})
+        optim_state = {"state": state, "param_groups": groups}
         rank = global_rank()
         if rank == 0:
             if self.arch.tie_embeddings:
@@ -384,11 +438,11 @@ class MegatronEngine(TrainerEngine):
     def load_state(self, in_dir: str) -> dict:
         src = Path(in_dir)
         rank = global_rank()
-        names = megatron_names(self.arch)
-        load_local_state(self.model.gpt, hf_to_megatron(_read_hf_state(str(src)), self.arch, self.tp_rank, self.tp,
-                                                        names=names))
+        names = list(self.params)
+        load_local_state(self.params, hf_to_megatron(_read_hf_state(str(src)), self.arch, self.tp_rank, self.tp,
+                                                     names=names))
         saved = torch.load(src / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
-        params = dict(self.model.gpt.named_parameters())
+        params = self.params
         moments = {key: {n: s[key] for n, s in saved["state"].items() if key in s} for key in ADAM_STATE_KEYS}
         local = {key: hf_to_megatron(moments[key], self.arch, self.tp_rank, self.tp, names=names)
                  for key in ADAM_STATE_KEYS if moments[key]}
@@ -398,8 +452,11 @@ class MegatronEngine(TrainerEngine):
             hf_first = megatron_to_hf(name, [p.detach()] * (self.tp if is_tensor_parallel(name) else 1), self.arch)[0][0]
             self.optimizer.state[p] = {"step": saved["state"][hf_first]["step"].clone().float(),
                                        **{key: local[key][name].to(p.device) for key in ADAM_STATE_KEYS}}
-        for group in self.optimizer.param_groups:
-            group.update({k: v for k, v in saved["param_groups"][0].items() if k != "params"})
+        if len(saved["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"{src / OPTIMIZER_FILE} has {len(saved['param_groups'])} parameter groups; this "
+                             f"{self.name} has {len(self.optimizer.param_groups)}")
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
         own_file = src / f"rank_{rank}.pt"
         keep_rng = own_file.exists()
         if not keep_rng:

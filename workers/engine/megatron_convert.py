@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+VALUE_HEAD_PREFIX = "value_head."  # (workers/engine/value_model.py's names, kept as they are)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,8 @@ def megatron_names(arch: GPTArch, layer_offset: int = 0, num_layers: int | None 
 
 
 def _hf_names_and_kind(name: str, layer_offset: int = 0) -> tuple[list[str], str]:
+    if name.startswith(VALUE_HEAD_PREFIX):  # the critic's value head: our own Linear(hidden, 1), replicated
+        return [name], "replicated"
     if name in _GLOBAL_MAP:
         hf, kind = _GLOBAL_MAP[name]
         return list(hf), kind
