@@ -427,3 +427,15 @@ def test_critic_tp2_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_d
         pool.remove()
     for key in ("critic/vf_loss", "critic/grad_norm"):
         assert resumed[key] == pytest.approx(continued[key], rel=1e-6), key
+
+
+def test_weight_view_matches_the_streamed_weights(tiny_model_dir):
+    """The disaggregated broadcast plans its buckets from `merged_weight_view(engine.model)`: HF names,
+    global shapes and dtypes in the order `iter_full_weights` streams them."""
+    from rlframe.workers.engine.lora import merged_weight_view
+
+    actor = plain_actor(actor_config(tiny_model_dir, 1, 4), tiny_model_dir)
+    view = merged_weight_view(actor.engine.model)
+    streamed = list(actor.engine.iter_full_weights())
+    assert list(view) == [name for name, _ in streamed]
+    assert all(view[name].shape == tensor.shape and view[name].dtype == tensor.dtype for name, tensor in streamed)

@@ -117,9 +117,23 @@ def attention_mask_for(attention_mask: torch.Tensor) -> torch.Tensor:
 class MegatronCausalLM(nn.Module):
     """The Megatron GPTModel with the HF config attached (roles write `model.config` next to exported weights)."""
 
-    def __init__(self, gpt: nn.Module, hf_config, arch: GPTArch, tp_group=None):
+    def __init__(self, gpt: nn.Module, hf_config, arch: GPTArch, tp_group=None, tp: int = 1):
         super().__init__()
-        self.gpt, self.config, self.arch, self.tp_group = gpt, hf_config, arch, tp_group
+        self.gpt, self.config, self.arch, self.tp_group, self.tp = gpt, hf_config, arch, tp_group, tp
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The HF-named view of the weights: global shapes and dtypes on the meta device (no data, no
+        collective), in `iter_full_weights` order. It is what the disaggregated broadcast plans its
+        buckets from (`merged_weight_view`); the weights themselves come from `iter_full_weights`."""
+        view = {}
+        for name, param in self.gpt.named_parameters():
+            shard = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            for hf_name, full in megatron_to_hf(name, [shard] * (self.tp if is_tensor_parallel(name) else 1),
+                                                self.arch):
+                view[hf_name] = full
+                if hf_name == "model.embed_tokens.weight" and self.arch.tie_embeddings:
+                    view["lm_head.weight"] = full
+        return view
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [b, s, V] (the TP shards of the LM head gathered)."""
@@ -279,7 +293,7 @@ class MegatronEngine(TrainerEngine):
         if self.value_head:
             self.model = MegatronValueModel(gpt, hf_config, arch).to(self.device)
         else:
-            self.model = MegatronCausalLM(gpt, hf_config, arch, self.tp_group if self.tp > 1 else None)
+            self.model = MegatronCausalLM(gpt, hf_config, arch, self.tp_group if self.tp > 1 else None, self.tp)
         self.arch = arch
         hf_state = _read_hf_state(settings.model_path)
         # (a critic built from a causal LM has no value head on disk: it stays at zero)
