@@ -326,9 +326,11 @@ def test_data_parallel_two_ranks_equals_fsdp(ray_session, tiny_model_dir, tmp_pa
 
 # ------------------------------------------------------------------------------------ end to end
 @pytest.mark.slow
-def test_grpo_two_steps_on_megatron_tp2(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_grpo_two_steps_on_megatron_tp2(tmp_path, tiny_model_dir, placement):
     """`python -m rlframe.main recipe=grpo_math_megatron` at TP=2 on the tiny model: actor and reference
-    policy on Megatron, HF rollout; weight sync proven by the log-prob agreement; the checkpoint exports."""
+    policy on Megatron, HF rollout (one engine per rank, or one engine fed by the bucketed broadcast);
+    weight sync proven by the log-prob agreement; the checkpoint exports."""
     import json
     import math
     import subprocess
@@ -339,8 +341,8 @@ def test_grpo_two_steps_on_megatron_tp2(tmp_path, tiny_model_dir):
 
     reward = Path(__file__).parent / "length_reward.py"  # varies per response: the weights really move
     run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math_megatron", "rollout.engine=hf", "actor.world_size=2",
-                          "megatron.tensor_model_parallel_size=2", "trainer.placement=colocated",
-                          "rollout.world_size=2", "trainer.save_every=2", "actor.optim.lr=1e-3",
+                          "megatron.tensor_model_parallel_size=2", f"trainer.placement={placement}",
+                          f"rollout.world_size={2 if placement == 'colocated' else 1}", "trainer.save_every=2", "actor.optim.lr=1e-3",
                           f"reward.functions=[{{path:{reward}}}]")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]
