@@ -62,6 +62,9 @@ from rlframe.workers.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
+# Megatron's TP linear layers warn on every backward that CUDA_DEVICE_MAX_CONNECTIONS=1 would speed up
+# their async all-reduce (a CUDA setting; meaningless on CPU): silenced.
+warnings.filterwarnings("ignore", message="When using async grad allreduce")
 OPTIMIZER_FILE = "optimizer.pt"  # the names of workers/engine/checkpoint.py's layout
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
