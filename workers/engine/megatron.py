@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -239,17 +239,35 @@ def _rope_emb_in_place(rope, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
-def _read_hf_state(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class _LazyHFState(Mapping):
+    """An HF safetensors folder as a mapping that reads a tensor only when asked (each rank reads the
+    tensors its shards come from, one at a time, never the whole checkpoint at once)."""
 
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder} (the megatron engine reads safetensors checkpoints)")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        folder = Path(path)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder} (the megatron engine reads safetensors checkpoints)")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {key: handle for handle in self._handles for key in handle.keys()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _read_hf_state(path: str) -> Mapping[str, torch.Tensor]:
+    return _LazyHFState(path)
 
 
 def load_local_state(params: dict[str, nn.Parameter], local: dict[str, torch.Tensor]) -> None:
@@ -280,6 +298,9 @@ class MegatronEngine(TrainerEngine):
                              "Fix: actor.ulysses_sequence_parallel_size=1")
         self.settings, self.profile, self.name = settings, profile, name
         self.device = torch.device(profile.device)
+        if settings.gradient_checkpointing:
+            logger.warning("%s: model.gradient_checkpointing is not applied by the megatron engine (Megatron's "
+                           "activation recompute is not wired here); activations are kept", name)
         hf_config = AutoConfig.from_pretrained(settings.model_path, trust_remote_code=settings.trust_remote_code)
         arch = GPTArch.from_hf(hf_config)  # ValueError naming an unsupported architecture
         self.tp = mg.tensor_model_parallel_size

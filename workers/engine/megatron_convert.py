@@ -21,6 +21,7 @@ saved under HF names, so a checkpoint resumes at another TP size or on the FSDP 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -152,7 +153,7 @@ def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: GPTArch) 
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], arch: GPTArch, tp_rank: int = 0, tp: int = 1,
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: GPTArch, tp_rank: int = 0, tp: int = 1,
                    names: list[str] | None = None, layer_offset: int = 0) -> dict[str, torch.Tensor]:
     """This TP rank's Megatron tensors (contiguous copies) for `names` (default: the whole model)."""
     if arch.num_query_groups % tp or arch.num_heads % tp:
