@@ -78,3 +78,16 @@ class GameEnv:
 
     def step(self, model_text):
         return None, 1.0, True
+
+
+class SlowWhenToldEnv:
+    """Feedback "again" until the third turn; a row whose ground truth is "slow" takes 1 s per step."""
+
+    def reset(self, row):
+        self.turns, self.slow = 0, (row or {}).get("ground_truth") == "slow"
+
+    def step(self, model_text):
+        self.turns += 1
+        if self.slow:
+            time.sleep(1.0)
+        return (None, 1.0, True) if self.turns >= 3 else ("again", 0.0, False)

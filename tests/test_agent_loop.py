@@ -552,3 +552,18 @@ def test_a_failing_user_parser_is_a_malformed_call(tok):
     assert nt["agent_tool_errors"][0] == 1 and nt["agent_end"][0] == END_TURN_LIMIT
     text = tok.decode(out.batch["responses"][0][out.batch["attention_mask"][0, -128:].bool()].tolist())
     assert "the tool-call parser failed: KeyError" in text
+
+
+def test_slow_environment_does_not_block_other_trajectories(tok):
+    """Environment steps run in threads like tools: A's environment takes 1 s per verdict; B's three
+    turns and verdicts are all done before A's first verdict is in (continuous batching, measured)."""
+    pa, pb = ids(tok, "Alpha <|im_start|>user\nA", eos=False), ids(tok, "Beta <|im_start|>user\nB", eos=False)
+    engine = SteppedScriptedEngine(tok, {tuple(pa[:3]): [ids(tok, "7")] * 3, tuple(pb[:3]): [ids(tok, "8")] * 3})
+    mt = MultiTurnSettings(tools=(), format="tag", max_turns=3, tool_prompt=False, environment=(TOOLS, "SlowWhenToldEnv"))
+    batch = prompt_batch(tok, [pa, pb])
+    batch.non_tensor_batch["env_row"] = np.array([{"ground_truth": "slow"}, {"ground_truth": "fast"}], dtype=object)
+    loop = AgentLoop(engine, mt, tok)
+    out = loop.run(batch, SAMPLING)
+    a, b = loop.last_trajectories
+    assert list(out.non_tensor_batch["agent_turns"]) == [3, 3] and list(out.non_tensor_batch["agent_env_reward"]) == [1.0, 1.0]
+    assert b.ended_s < 0.9 < 1.0 < a.ended_s, (a.ended_s, b.ended_s)

@@ -37,6 +37,7 @@ metrics and adds the environment's reward to the score.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -69,6 +70,7 @@ class Trajectory:
     turn_open: bool = False  # the last model turn was cut by max_tokens_per_turn before its end-of-turn
     env: object = None  # the trajectory's environment instance, if any
     env_feedback: str | None = None  # the environment's observation waiting to be appended
+    env_step: object = None  # the environment's step on the last model turn, running in a thread (Deferred)
     turn_rewards: list = field(default_factory=list)  # the environment's reward after each model turn
     turn_reward_positions: list = field(default_factory=list)  # the response index of that turn's last token
     env_errors: int = 0
@@ -259,7 +261,8 @@ class AgentLoop:
         """Trajectories whose tool calls have all returned: their observations appended; those that can
         continue are returned (to go back to the model)."""
         back = []
-        for t in [t for t in with_tools if all(run.done() for run in t.pending)]:
+        for t in [t for t in with_tools if all(run.done() for run in t.pending)
+                  and (t.env_step is None or t.env_step.done())]:
             with_tools.remove(t)
             self.observe(t)
             if t.end is None:
@@ -298,8 +301,9 @@ class AgentLoop:
             calls = self.parse(text, self.tools) if self.tools else []
         except Exception as exc:  # a user parser's bug is a malformed call the model sees, not a crash
             calls = [ToolCall(name="", arguments=None, error=f"the tool-call parser failed: {type(exc).__name__}: {exc}")]
-        if not calls and t.env is not None:
-            self.environment_step(t, text)
+        if not calls and t.env is not None:  # the environment judges the turn, in a thread (as tools run)
+            t.env_step = Deferred(t.env.step, self.settings.tool_timeout_s, text)
+            t.env_step.position = len(t.tokens) - 1  # the judged turn's last token
         elif not calls:
             t.end = END_ANSWER
         elif t.turns >= self.settings.max_turns:
@@ -328,15 +332,16 @@ class AgentLoop:
             self.warn_environment(where, error)
         t.env = env
 
-    def environment_step(self, t: Trajectory, text: str) -> None:
-        """The environment judges a turn without tool calls: its feedback becomes the next (user) message,
-        or the trajectory ends (done, no feedback, the turn limit, or an error, counted)."""
-        result, error = call_with_deadline(t.env.step, self.settings.tool_timeout_s, text)
+    def environment_result(self, t: Trajectory) -> None:
+        """The environment's verdict on a turn without tool calls: its feedback becomes the next (user)
+        message, or the trajectory ends (done, no feedback, the turn limit, or an error, counted)."""
+        (result, error), position = t.env_step.outcome(), t.env_step.position
+        t.env_step = None
         if error is None:
             try:
                 observation, reward, done = result
                 t.turn_rewards.append(float(reward))
-                t.turn_reward_positions.append(len(t.tokens) - 1)
+                t.turn_reward_positions.append(position)
             except (TypeError, ValueError):
                 error = f"step returned {result!r}, not (observation, reward, done)"
         if error is not None:
@@ -362,7 +367,11 @@ class AgentLoop:
 
     def observe(self, t: Trajectory) -> None:
         """Append the finished tool calls' observations (one tool message each) or the environment's
-        feedback (one user message), or end on the budget."""
+        feedback (one user message), or end (the environment's verdict, the budget)."""
+        if t.env_step is not None:
+            self.environment_result(t)
+            if t.env_feedback is None:  # the environment ended the trajectory
+                return
         if t.env_feedback is not None:
             ids = self.renderer.ids([self.truncate(t.env_feedback)], close_turn=t.turn_open, role="user")
             t.env_feedback = None
@@ -416,6 +425,32 @@ class AgentLoop:
         })
         out.meta_info["agent/engine_calls"] = self.engine_calls
         return out
+
+
+class Deferred:
+    """`function(*args)` running in a daemon thread: `done()` polls, `outcome()` -> (result, error) waits
+    until the deadline; error is "timeout" or "Type: message"."""
+
+    def __init__(self, function, timeout_s: float, *args):
+        self.deadline, self.box, self.event = time.monotonic() + timeout_s, {}, threading.Event()
+        self.position = None
+
+        def target():
+            try:
+                self.box["result"] = function(*args)
+            except BaseException as exc:  # the environment's fault, counted, not the rollout's
+                self.box["error"] = f"{type(exc).__name__}: {exc}"
+            self.event.set()
+
+        threading.Thread(target=target, daemon=True, name="environment-step").start()
+
+    def done(self) -> bool:
+        return self.event.is_set() or time.monotonic() >= self.deadline
+
+    def outcome(self):
+        if not self.event.wait(max(0.0, self.deadline - time.monotonic())):
+            return None, "timeout"
+        return self.box.get("result"), self.box.get("error")
 
 
 class VLLMStepper:
