@@ -20,7 +20,7 @@ on the sampled tokens and `rollout/logprob_abs_diff` compares like with like.
 
 Scheduling. On vLLM (continuous batching at the request level, `VLLMStepper`): each model turn is one
 engine request; the loop steps the engine and handles a turn the moment it finishes (parse, start its
-tools in threads or ask the environment), and submits the trajectory's next turn as soon as its
+tools or the environment's step, both in threads), and submits the trajectory's next turn as soon as its
 observation is in, while the engine keeps decoding the other trajectories' turns. No trajectory waits
 for the slowest of its batch, for another's tool, or for a round to end. On the HF engine (`generate`
 is one blocking batch call) the loop runs by rounds: every trajectory waiting for the model goes to
