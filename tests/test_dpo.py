@@ -21,11 +21,12 @@ def _pairs(vocab: int, n: int = 4) -> list[Pair]:
     return [Pair(draw(3 + i), draw(2 + i % 3), draw(4 - i % 2), "f", i) for i in range(n)]
 
 
-def _settings(model_dir, world_size: int = 1):
+def _settings(model_dir, world_size: int = 1, strategy: str = "fsdp"):
     from rlframe.workers.settings import (ActorSettings, DeviceRequest, EngineSettings, ForwardSettings, OptimSettings,
                                          PolicyLossSettings, UpdateLoop)
 
-    engine = EngineSettings(model_path=str(model_dir), device=DeviceRequest(**CPU_DEVICE), optim=OptimSettings(lr=1e-3))
+    engine = EngineSettings(model_path=str(model_dir), strategy=strategy, device=DeviceRequest(**CPU_DEVICE),
+                            optim=OptimSettings(lr=1e-3))
     return ActorSettings(engine=engine, loop=UpdateLoop(), loss=PolicyLossSettings(), log_prob=ForwardSettings(),
                          rollout=None)
 
@@ -68,7 +69,7 @@ def ray_session():
     ray.shutdown()
 
 
-def _dpo_step(model_dir, world_size: int, tmp_path):
+def _dpo_step(model_dir, world_size: int, tmp_path, strategy: str = "fsdp"):
     from rlframe.controller import ResourcePool, WorkerGroup
     from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker, PreferenceSettings
 
@@ -76,13 +77,14 @@ def _dpo_step(model_dir, world_size: int, tmp_path):
     # a fixed reference: the rewards and the loss are not at their symmetric point
     batch.batch["ref_logps"] = -torch.arange(len(batch), dtype=torch.float32) - 20.0
     batch.meta_info["step"] = 1
-    pool = ResourcePool([world_size], cpus_per_bundle=1, name=f"dpo{world_size}")
+    pool = ResourcePool([world_size], cpus_per_bundle=1, name=f"dpo{world_size}{strategy}")
     group = WorkerGroup(pool, {"actor_rollout": (PolicyTrainerWorker, {
-        "settings": _settings(model_dir, world_size), "preference": PreferenceSettings(beta=0.1)})}, default_timeout_s=300)
+        "settings": _settings(model_dir, world_size, strategy), "preference": PreferenceSettings(beta=0.1)})},
+        default_timeout_s=300)
     try:
         actor = group.role("actor_rollout")
         metrics = actor.update_dpo(batch).meta_info["metrics"]
-        out = tmp_path / f"dpo_ws{world_size}"
+        out = tmp_path / f"dpo_ws{world_size}_{strategy}"
         actor.save_hf(str(out))
     finally:
         group.shutdown()
@@ -97,6 +99,15 @@ def test_dpo_step_same_at_world_size_1_and_2(ray_session, tiny_model_dir, tmp_pa
     for key in ("dpo/loss", "actor/grad_norm", "dpo/reward_margin", "dpo/reward_accuracy"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     assert m1["actor/grad_norm"] > 0
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow  # ~60 s: DeepSpeed's start-up
+def test_dpo_step_on_deepspeed_zero2_at_2_ranks_equals_fsdp_at_1(ray_session, tiny_model_dir, tmp_path):
+    (m1, w1), (m2, w2) = _dpo_step(tiny_model_dir, 1, tmp_path), _dpo_step(tiny_model_dir, 2, tmp_path, "deepspeed")
+    for key in ("dpo/loss", "actor/grad_norm", "dpo/reward_margin"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
