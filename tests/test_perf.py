@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlframe.memory_plan import ModelShape
-from rlframe.trainer.perf import forward_flops, gpu_peak_tflops, multiplying_params, step_perf
+from rlframe.trainer.perf import forward_flops, generation_flops, gpu_peak_tflops, multiplying_params, step_perf
 
 # 2 layers, d = heads * head_dim = 4 * 8 = 32; untied: N = params - vocab * hidden = 10_000 - 100 * 16 = 8_400
 SHAPE = ModelShape(params=10_000, layers=2, hidden=16, intermediate=32, vocab=100, heads=4, kv_heads=4, head_dim=8)
@@ -25,8 +25,12 @@ def test_step_perf_by_hand():
     response = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # 3 generated tokens
     phases = {"rollout": 2.0, "ref_log_prob": 0.5, "update": 4.0, "reward": 0.1, "weight_sync": 0.2}
     metrics = step_perf(SHAPE, attention, response, phases, step_seconds=10.0, forward_passes=1, trained_passes=1,
-                        peak_tflops=1e-6, devices=2)
-    flops = (2 * 8_400 * 8 + 2 * 2 * 32 * 34) * (1 + 1 + 3)  # generation + ref + update (3x)
+                        peak_tflops=1e-6, devices=2, samples_per_prompt=2)
+    # prompts 2 and 3 tokens, responses 1 and 2: decode 2N * 3 + 2 L d ((3^2 - 2^2) + (5^2 - 3^2)),
+    # one prefill per prompt shared by 2 samples: (2N * 5 + 2 L d (4 + 9)) / 2
+    generation = 2 * 8_400 * 3 + 2 * 2 * 32 * (5 + 16) + (2 * 8_400 * 5 + 2 * 2 * 32 * 13) / 2
+    assert generation_flops(SHAPE, torch.tensor([2, 3]), torch.tensor([1, 2]), 2) == pytest.approx(generation)
+    flops = generation + (2 * 8_400 * 8 + 2 * 2 * 32 * 34) * (1 + 3)  # + ref + update (3x)
     assert metrics["perf/model_tflops"] == pytest.approx(flops / 10.0 / 1e12)
     assert metrics["perf/mfu"] == pytest.approx(flops / 10.0 / 1e12 / (1e-6 * 2))
     assert metrics["perf/tokens_per_s/rollout"] == pytest.approx(3 / 2.0)

@@ -8,8 +8,10 @@ PaLM, Chowdhery et al. 2022, appendix B, with causal attention):
 N: the parameters that multiply (all but the input embedding lookup; a tied LM head counts once),
 L layers, d = heads * head_dim; token i attends to i tokens (QK^T and AV: 4 * d * i per layer).
 The backward pass costs twice the forward, so a trained token costs 3x. A step's model FLOPs:
-generation (prompt + response, forward), each log-prob pass (old, reference, values: forward), the
-actor update (3x), the critic update (3x). MFU = step FLOPs / step seconds / (peak FLOP/s x devices).
+generation (the response tokens, each attending to its prompt and the response so far, plus one
+prefill per prompt: its `samples_per_prompt` samples share it through the prefix cache), each
+log-prob pass (old, reference, values: forward over prompt + response), the actor update (3x), the
+critic update (3x). MFU = step FLOPs / step seconds / (peak FLOP/s x devices).
 Peak: the datasheet dense bf16 rate of known GPUs, or the fp32 matmul rate measured on this machine
 (CPU; all its cores are one "device"; measured when the run starts, so a machine busy with other
 work at that moment reads a low peak and a high MFU).
@@ -39,14 +41,17 @@ def gpu_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def measured_matmul_tflops(size: int = 1024, reps: int = 3) -> float:
-    """fp32 matmul rate of this process on the CPU (all its threads)."""
+def measured_matmul_tflops(size: int = 2048, trials: int = 5) -> float:
+    """fp32 matmul rate of this process on the CPU (all its threads): the best of a few trials, so
+    that other work on the machine at that moment lowers it less."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
-    start = time.perf_counter()
-    for _ in range(reps):
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
         a @ b
-    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
 
 
 def multiplying_params(shape: ModelShape) -> int:
@@ -60,18 +65,32 @@ def forward_flops(shape: ModelShape, lengths: torch.Tensor) -> float:
     return float(2 * multiplying_params(shape) * n.sum() + 2 * shape.layers * attention_width * (n * n).sum())
 
 
-def step_flops(shape: ModelShape, lengths: torch.Tensor, forward_passes: int, trained_passes: int) -> float:
+def generation_flops(shape: ModelShape, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+                     samples_per_prompt: int) -> float:
+    """Decoding the responses (each token attends to its prompt and the response so far) plus one
+    prefill per prompt, shared by its samples."""
+    a, r = prompt_lengths.double(), response_lengths.double()
+    attention_width = shape.heads * shape.head_dim
+    decode = 2 * multiplying_params(shape) * r.sum() + 2 * shape.layers * attention_width * ((a + r) ** 2 - a**2).sum()
+    return float(decode) + forward_flops(shape, prompt_lengths) / max(samples_per_prompt, 1)
+
+
+def step_flops(shape: ModelShape, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+               samples_per_prompt: int, forward_passes: int, trained_passes: int) -> float:
     """Generation + `forward_passes` log-prob passes + `trained_passes` updates (3x) over the batch."""
-    return forward_flops(shape, lengths) * (1 + forward_passes + 3 * trained_passes)
+    return (generation_flops(shape, prompt_lengths, response_lengths, samples_per_prompt)
+            + forward_flops(shape, prompt_lengths + response_lengths) * (forward_passes + 3 * trained_passes))
 
 
 def step_perf(shape: ModelShape, attention_mask: torch.Tensor, response_mask: torch.Tensor,
               phase_seconds: dict[str, float], step_seconds: float, forward_passes: int, trained_passes: int,
-              peak_tflops: float | None, devices: int) -> dict[str, float]:
+              peak_tflops: float | None, devices: int, samples_per_prompt: int = 1) -> dict[str, float]:
     """perf/mfu, perf/model_tflops and perf/tokens_per_s/<phase> of one step."""
     lengths = attention_mask.sum(-1)
+    response_lengths = response_mask.sum(-1).round().long()
     tokens, generated = float(lengths.sum()), float(response_mask.sum())
-    flops = step_flops(shape, lengths, forward_passes, trained_passes)
+    flops = step_flops(shape, lengths - response_lengths, response_lengths, samples_per_prompt, forward_passes,
+                       trained_passes)
     metrics = {"perf/model_tflops": flops / max(step_seconds, 1e-9) / 1e12}
     if peak_tflops:
         metrics["perf/mfu"] = metrics["perf/model_tflops"] / (peak_tflops * devices)

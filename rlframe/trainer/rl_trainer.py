@@ -262,7 +262,7 @@ class RLTrainer:
             trained_passes = sum(phase in self.phase_times for phase in ("update", "update_critic"))
             metrics.update(perf.step_perf(self.model_shape, batch.batch["attention_mask"], batch.batch["response_mask"],
                                           self.phase_times, metrics["timing/step"], forward_passes, trained_passes,
-                                          self.peak_tflops, self.devices))
+                                          self.peak_tflops, self.devices, samples_per_prompt=cfg.rollout.n))
             if cfg.trainer.val_every and step % cfg.trainer.val_every == 0 and step != cfg.trainer.total_steps:
                 metrics.update(self.validate())
             if step == cfg.trainer.total_steps and cfg.trainer.val_at_end and self.val_set:
