@@ -58,8 +58,11 @@ def kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-@pytest.mark.parametrize("engine, checkpoint_format", [("hf", "full"), pytest.param("vllm", "sharded", marks=pytest.mark.skipif(
-    not vllm_installed(), reason="vLLM is not installed"))])
+# The HF/full variant is slow-marked (CI time): the default engine's variant runs in CI, and the full
+# format's engine-level round trip is tests/test_checkpoint.py's.
+@pytest.mark.parametrize("engine, checkpoint_format", [
+    pytest.param("hf", "full", marks=pytest.mark.slow),
+    pytest.param("vllm", "sharded", marks=pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed"))])
 def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_model_dir, engine, checkpoint_format):
     engine = [engine, f"trainer.checkpoint_format={checkpoint_format}"]
     # 1. the reference: N steps uninterrupted
