@@ -71,20 +71,32 @@ def save_engine_state(engine, out_dir: str | Path, tokenizer_source: str | None 
         if rank == 0:
             torch.save(optim_state, out / OPTIMIZER_FILE)
     barrier()  # out/ exists for every rank below
+    save_rank_state(engine, out)
+
+
+def save_rank_state(engine, out: Path) -> None:
+    """This rank's `rank_<r>.pt` (LR scheduler, step / skip counters, RNG states), then a barrier.
+    Every engine's checkpoint writes it the same way."""
     own = {"scheduler": engine.scheduler.state_dict(), "optimizer_steps": engine.optimizer_steps,
            "consecutive_skips": engine.consecutive_skips, "rng": capture_rng_state(), "world_size": world_size()}
-    torch.save(own, out / f"rank_{rank}.pt")
+    torch.save(own, Path(out) / f"rank_{_rank()}.pt")
     barrier()
 
 
 def load_engine_state(engine, in_dir: str | Path) -> dict:
     """Restore what `save_engine_state` wrote (every rank calls); returns a short description."""
     src = Path(in_dir)
-    rank = _rank()
     if (src / SHARDED_DIR).is_dir():
         _load_sharded(engine, src)
     else:
         _load_full(engine, src)
+    return load_rank_state(engine, src)
+
+
+def load_rank_state(engine, src: Path) -> dict:
+    """Restore `save_rank_state`'s file into `engine` (then a barrier); returns a short description.
+    Resumed at a larger world size, a rank without a file uses rank 0's scheduler and keeps its RNG."""
+    src, rank = Path(src), _rank()
     own_file = src / f"rank_{rank}.pt"
     if not own_file.exists():  # resumed at a larger world size: this rank has no saved RNG
         logger.warning("%s is missing (the checkpoint was saved with fewer ranks): rank %d keeps its seeded "

@@ -52,9 +52,9 @@ import torch.distributed as dist
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
-from rlframe.rng import capture_rng_state, restore_rng_state
-from rlframe.workers.distributed import barrier, rank, world_size
+from rlframe.workers.distributed import barrier, rank
 from rlframe.workers.engine.base import MODEL_INPUTS, TrainerEngine
+from rlframe.workers.engine.checkpoint import OPTIMIZER_FILE, load_rank_state, save_rank_state
 from rlframe.workers.engine.hf_model import build_causal_lm, forward_response_log_probs
 from rlframe.workers.engine.value_model import build_value_model, forward_response_values
 from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
@@ -63,7 +63,6 @@ from rlframe.workers.settings import DeepSpeedSettings, EngineSettings, OptimSet
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ZERO_STAGES = (2, 3)
-OPTIMIZER_FILE = "optimizer.pt"  # the names of workers/engine/checkpoint.py's layout
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 # What torch's AdamW (the FSDP engine) and DeepSpeedCPUAdam share of a param group's settings.
 ADAMW_GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
@@ -315,16 +314,13 @@ class DeepSpeedEngine(TrainerEngine):
             write_hf_folder(out, weights, self.model.config, tokenizer_source)
             torch.save({"state": state, "param_groups": groups}, out / OPTIMIZER_FILE)
         barrier()
-        own = {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps,
-               "consecutive_skips": self.consecutive_skips, "rng": capture_rng_state(), "world_size": world_size()}
-        torch.save(own, out / f"rank_{me}.pt")
-        barrier()
+        save_rank_state(self, out)
 
     def load_state(self, in_dir: str) -> dict:
         """Restore `save_state`'s (or the FSDP engine's) checkpoint; every rank calls."""
         from safetensors.torch import load_file
 
-        src, me = Path(in_dir), rank()
+        src = Path(in_dir)
         weights = load_file(str(src / WEIGHTS_FILE))
         optim_state = torch.load(src / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
         named = dict(self.model.named_parameters())
@@ -340,20 +336,7 @@ class DeepSpeedEngine(TrainerEngine):
         self._set_adam_step(int(max(steps)) if steps else 0)
         for group, saved in zip(self.optimizer.param_groups, optim_state["param_groups"]):
             group["lr"] = saved["lr"]
-        own_file = src / f"rank_{me}.pt"
-        keep_rng = own_file.exists()
-        if not keep_rng:
-            logger.warning("%s is missing (the checkpoint was saved with fewer ranks): rank %d keeps its seeded RNG "
-                           "and uses rank 0's scheduler state", own_file, me)
-            own_file = src / "rank_0.pt"
-        own = torch.load(own_file, weights_only=True)
-        self.scheduler.load_state_dict(own["scheduler"])
-        self.optimizer_steps = int(own["optimizer_steps"])
-        self.consecutive_skips = int(own["consecutive_skips"])
-        if keep_rng:
-            restore_rng_state(own["rng"])
-        barrier()
-        return {"rank": me, "optimizer_steps": self.optimizer_steps, "saved_world_size": own["world_size"]}
+        return load_rank_state(self, src)
 
     # ------------------------------------------------------------------ helpers
     def _iter_gathered(self, master: bool, with_params: bool = False):

@@ -51,12 +51,12 @@ from torch import nn
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
-from rlframe.rng import capture_rng_state, restore_rng_state
 from rlframe.workers.distributed import barrier, rank as global_rank, world_size
 from rlframe.workers.engine.base import TrainerEngine
+from rlframe.workers.engine.checkpoint import OPTIMIZER_FILE, load_rank_state, save_rank_state
 from rlframe.workers.engine.hf_model import LOGIT_CHUNK, trim_padding_columns
 from rlframe.workers.engine.megatron_convert import GPTArch, hf_to_megatron, is_tensor_parallel, megatron_to_hf
-from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
+from rlframe.workers.hf_folder import write_hf_folder
 from rlframe.workers.sequence_parallel import SequenceParallelGroup, gather_rows
 from rlframe.workers.settings import EngineSettings
 
@@ -65,7 +65,6 @@ logger = logging.getLogger(__name__)
 # Megatron's TP linear layers warn on every backward that CUDA_DEVICE_MAX_CONNECTIONS=1 would speed up
 # their async all-reduce (a CUDA setting; meaningless on CPU): silenced.
 warnings.filterwarnings("ignore", message="When using async grad allreduce")
-OPTIMIZER_FILE = "optimizer.pt"  # the names of workers/engine/checkpoint.py's layout
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -468,14 +467,10 @@ class MegatronEngine(TrainerEngine):
             write_hf_folder(out, weights, self.model.config, tokenizer_source)
             torch.save(optim_state, out / OPTIMIZER_FILE)
         barrier()
-        own = {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps,
-               "consecutive_skips": self.consecutive_skips, "rng": capture_rng_state(), "world_size": world_size()}
-        torch.save(own, out / f"rank_{rank}.pt")
-        barrier()
+        save_rank_state(self, out)
 
     def load_state(self, in_dir: str) -> dict:
         src = Path(in_dir)
-        rank = global_rank()
         names = list(self.params)
         load_local_state(self.params, hf_to_megatron(_read_hf_state(str(src)), self.arch, self.tp_rank, self.tp,
                                                      names=names))
@@ -495,17 +490,5 @@ class MegatronEngine(TrainerEngine):
                              f"{self.name} has {len(self.optimizer.param_groups)}")
         for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
-        own_file = src / f"rank_{rank}.pt"
-        keep_rng = own_file.exists()
-        if not keep_rng:
-            logger.warning("%s is missing (saved with fewer ranks): rank %d keeps its RNG", own_file, rank)
-            own_file = src / "rank_0.pt"
-        own = torch.load(own_file, weights_only=True)
-        self.scheduler.load_state_dict(own["scheduler"])
-        self.optimizer_steps = int(own["optimizer_steps"])
-        self.consecutive_skips = int(own["consecutive_skips"])
-        if keep_rng:
-            restore_rng_state(own["rng"])
-        barrier()
-        return {"rank": rank, "optimizer_steps": self.optimizer_steps, "saved_world_size": own["world_size"]}
+        return load_rank_state(self, src)
 
