@@ -264,6 +264,8 @@ class RolloutConfig:
     # world; disaggregated: of rollout.world_size), for policies too large for one device's engine.
     tensor_parallel_size: int = 1
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # `rollout.agent` is another name for `rollout.multi_turn` (read into it by rlframe.main before validation)
+    agent: Optional[dict[str, Any]] = None
 
 
 @dataclass

@@ -47,6 +47,44 @@ def _register_schema() -> None:
     store.store(name="rlframe_main", node={"defaults": ["_self_", {"rlframe_schema@_global_": "base"}]})
 
 
+AGENT_PREFIX, MULTI_TURN_PREFIX = "rollout.agent.", "rollout.multi_turn."
+
+
+def agent_alias_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """`rollout.agent.<key>=v` is another name for `rollout.multi_turn.<key>=v` (the agent loop's section);
+    naming tools or an environment there also turns the loop on, unless `enable` is given."""
+    out, notices, turned_on = [], [], False
+    for arg in overrides:
+        prefix = arg[: len(arg) - len(arg.lstrip("+~"))]
+        body = arg[len(prefix):]
+        if not body.startswith(AGENT_PREFIX):
+            out.append(arg)
+            continue
+        key = body.split("=", 1)[0][len(AGENT_PREFIX):]
+        out.append(prefix + MULTI_TURN_PREFIX + body[len(AGENT_PREFIX):])
+        notices.append(f"{AGENT_PREFIX}{key} -> {MULTI_TURN_PREFIX}{key}")
+        turned_on |= key.startswith(("tools", "environment"))
+    explicit = any(a.lstrip("+~").startswith((MULTI_TURN_PREFIX + "enable", AGENT_PREFIX + "enable")) for a in overrides)
+    if turned_on and not explicit:
+        out.append(MULTI_TURN_PREFIX + "enable=true")
+        notices.append("rollout.agent tools/environment given -> rollout.multi_turn.enable=true")
+    return out, notices
+
+
+def agent_section_as_multi_turn(composed):
+    """A recipe's `rollout: {agent: {...}}` section read as `rollout.multi_turn` (see agent_alias_overrides)."""
+    rollout = composed.get("rollout") or {}
+    if "agent" not in rollout:
+        return composed
+    data = OmegaConf.to_container(composed)
+    agent = data["rollout"].pop("agent") or {}
+    if ("tools" in agent or "environment" in agent) and "enable" not in agent:
+        agent["enable"] = True
+    data["rollout"]["multi_turn"] = OmegaConf.to_container(
+        OmegaConf.merge(data["rollout"].get("multi_turn") or {}, agent))
+    return OmegaConf.create(data)
+
+
 def compose_config(argv: list[str]) -> RLConfig:
     """Recipe + command-line overrides -> a typed, validated RLConfig."""
     from hydra import compose, initialize_config_dir
@@ -56,12 +94,12 @@ def compose_config(argv: list[str]) -> RLConfig:
     from rlframe.compat import CompatError, translate_overrides
 
     recipe_args = [a for a in argv if a.startswith("recipe=")]
-    overrides = [a for a in argv if not a.startswith("recipe=")]
+    overrides, agent_notices = agent_alias_overrides([a for a in argv if not a.startswith("recipe=")])
     try:  # verl / EasyR1 keys -> ours (one notice each); unknown keys -> the closest of ours
         overrides, notices = translate_overrides(overrides)
     except CompatError as err:
         raise UsageError(str(err)) from None
-    for notice in notices:
+    for notice in agent_notices + notices:
         print(f"note: {notice}", flush=True)
     recipe = recipe_args[-1].split("=", 1)[1] if recipe_args else "grpo_math"
     recipe_path = Path(recipe) if recipe.endswith((".yaml", ".yml")) else RECIPES_DIR / f"{recipe}.yaml"
@@ -77,7 +115,7 @@ def compose_config(argv: list[str]) -> RLConfig:
         with initialize_config_dir(config_dir=str(recipe_path.parent.parent.resolve()), version_base=None):
             composed = compose(config_name="rlframe_main",
                                overrides=[f"+{group}@_global_={recipe_path.stem}", *overrides])
-        merged = OmegaConf.merge(OmegaConf.structured(RLConfig), composed)
+        merged = OmegaConf.merge(OmegaConf.structured(RLConfig), agent_section_as_multi_turn(composed))
     except (HydraException, OmegaConfBaseException) as err:
         raise UsageError(f"in recipe '{recipe}' or its overrides: {err}\n"
                          "Fix: check the key names against rlframe/config.py (e.g. actor.optim.lr=1e-6).") from None
