@@ -51,8 +51,8 @@ def run_point(overrides: dict, args, run_dir: Path) -> dict:
     return {"s/step": step, **{p: statistics.median(s.get(f"timing/{p}", 0.0) for s in timed) for p in phases},
             "s/sample": step / samples,
             "gen tok/s": statistics.median(s["response_length/mean"] * samples / s["timing/step"] for s in timed),
-            "tokens/step": statistics.median((s["prompt_length/mean"] + s["response_length/mean"]) * samples
-                                             for s in timed),
+            # prompt + response tokens through the update (its tokens/s x its seconds)
+            "tokens/step": statistics.median(s["perf/tokens_per_s/update"] * s["timing/update"] for s in timed),
             "peak GiB": peak}
 
 
