@@ -49,6 +49,14 @@ class ActorRole:
         return {"pid": os.getpid(), "threads": torch.get_num_threads(), **{k: os.environ.get(k) for k in keys}}
 
 
+    @register(Dispatch.ONE_TO_ALL)
+    def hold_memory(self, mib: int) -> int:
+        """Touch `mib` MiB for the length of the call (freed on return)."""
+        block = bytearray(mib * 2**20)
+        block[::4096] = b"x" * len(block[::4096])
+        return len(block)
+
+
 class RefRole:
     """Stands in for the reference-model role colocated with ActorRole."""
 
@@ -205,6 +213,22 @@ def test_colocated_roles_share_the_process(pair):
 
 
 # --------------------------------------------------------------------------- dispatch modes on four ranks
+
+
+def test_memory_peaks_per_call_are_reset_between_reads(pair):
+    """Each (role, method)'s peak RSS is the call's own: 400 MiB held inside one call shows in its peak,
+    and after the read the next peak starts from the current RSS again."""
+    pair.memory_peaks()  # forget earlier calls
+    pair.actor.hold_memory(0)
+    baseline = pair.memory_peaks()["rss/actor.hold_memory"]
+    pair.actor.hold_memory(400)
+    pair.ref.ref_pid()
+    peaks = pair.memory_peaks()
+    assert peaks["rss/actor.hold_memory"] > baseline + 0.35  # GiB: 400 MiB = 0.39 GiB
+    assert peaks["rss/ref.ref_pid"] < peaks["rss/actor.hold_memory"] - 0.3  # the block is gone again
+    pair.actor.hold_memory(0)
+    assert pair.memory_peaks()["rss/actor.hold_memory"] < baseline + 0.1
+    assert pair.memory_peaks() == {}
 
 
 def test_dp_compute_proto_keeps_rows_and_order(quad):

@@ -261,6 +261,17 @@ class WorkerGroup:
                 collect: Callable, timeout: float | None) -> Future:
         return Future(self, role, method, dict(refs), collect, timeout)
 
+    def memory_peaks(self, timeout: float | None = 60) -> dict[str, float]:
+        """The peak memory of each (role, method) called since the last read, the largest over the ranks
+        (see ``WorkerHost.memory_peaks``), in GiB."""
+        per_rank = self._submit("<host>", "memory_peaks",
+                                [(r, h.memory_peaks.remote()) for r, h in enumerate(self._hosts)], list, timeout).result()
+        peaks: dict[str, float] = {}
+        for found in per_rank:
+            for key, value in found.items():
+                peaks[key] = max(value, peaks.get(key, 0.0))
+        return peaks
+
     # ------------------------------------------------------------------ teardown
 
     def shutdown(self) -> None:

@@ -49,6 +49,56 @@ def _select_cuda_device() -> None:
         torch.cuda.set_device(int(gpu_ids[0]))
 
 
+def reset_peak_rss() -> bool:
+    """Linux: set this process's resident-set high-water mark (VmHWM) back to its current RSS, so that
+    the next read is the peak since now. False where the kernel does not offer it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_gib() -> float:
+    """VmHWM of /proc/self/status (the peak resident set since start or the last reset) in GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    return float("nan")
+
+
+class CallMemory:
+    """The peak memory of each (role, method) a host runs, kept until read: the process's peak RSS
+    during the call (host memory: on CPU everything -- weights, optimizer, activations, the vLLM
+    engine running in-process) and, when CUDA is in use, the device's peak allocated memory."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, float] = {}
+        self.tracks_rss = reset_peak_rss()
+
+    def start(self) -> None:
+        if self.tracks_rss:
+            reset_peak_rss()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+
+    def stop(self, key: str) -> None:
+        found = {}
+        if self.tracks_rss:
+            found[f"rss/{key}"] = peak_rss_gib()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            found[f"device/{key}"] = torch.cuda.max_memory_allocated() / 2**30
+        for name, value in found.items():
+            self.peaks[name] = max(value, self.peaks.get(name, 0.0))
+
+    def take(self) -> dict[str, float]:
+        """The peaks since the last take (then forgotten)."""
+        peaks, self.peaks = self.peaks, {}
+        return peaks
+
+
 class WorkerHost:
     """Plain version of the host; ``_WorkerHost`` below is its Ray actor class."""
 
@@ -64,6 +114,7 @@ class WorkerHost:
         self.node_ip = ray.util.get_node_ip_address()
         self.hostname = socket.gethostname()
         self.pid = os.getpid()
+        self.memory = CallMemory()
         torch.set_num_threads(max(1, int(num_cpus)))
 
     def __repr__(self) -> str:
@@ -104,11 +155,20 @@ class WorkerHost:
             raise self._error(error, current, "__init__") from None
 
     def execute(self, _role: str, _method: str, /, *args, **kwargs) -> Any:
-        """Call ``roles[_role]._method(*args, **kwargs)``; failures become a WorkerError."""
+        """Call ``roles[_role]._method(*args, **kwargs)``; failures become a WorkerError. The call's peak
+        memory is kept for ``memory_peaks``."""
+        self.memory.start()
         try:
             return getattr(self.roles[_role], _method)(*args, **kwargs)
         except Exception as error:
             raise self._error(error, _role, _method) from None
+        finally:
+            self.memory.stop(f"{_role}.{_method}")
+
+    def memory_peaks(self) -> dict[str, float]:
+        """{"rss/<role>.<method>": GiB, "device/<role>.<method>": GiB} of the calls since the last read:
+        the largest peak over those calls."""
+        return self.memory.take()
 
     def _error(self, error: Exception, role: str, method: str) -> WorkerError:
         return WorkerError(
