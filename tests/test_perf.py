@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlframe.memory_plan import ModelShape
-from rlframe.trainer.perf import forward_flops, generation_flops, gpu_peak_tflops, multiplying_params, step_perf
+from rlframe.trainer.perf import (forward_flops, generation_flops, gpu_peak_tflops, multiplying_params,
+                                  peak_memory_metrics, step_perf)
 
 # 2 layers, d = heads * head_dim = 4 * 8 = 32; untied: N = params - vocab * hidden = 10_000 - 100 * 16 = 8_400
 SHAPE = ModelShape(params=10_000, layers=2, hidden=16, intermediate=32, vocab=100, heads=4, kv_heads=4, head_dim=8)
@@ -42,3 +43,14 @@ def test_step_perf_by_hand():
 def test_unknown_gpu_has_no_datasheet_peak():
     assert gpu_peak_tflops("NVIDIA H200") == 989.4 and gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert gpu_peak_tflops("Some Future GPU") is None
+
+
+def test_peak_memory_metrics_per_method():
+    cpu = {"rss/actor_rollout.update_actor": 9.5, "rss/actor_rollout.generate_sequences": 7.0,
+           "rss/ref.compute_ref_log_prob": 6.5, "rss/actor_rollout.compute_ref_log_prob": 8.0}
+    assert peak_memory_metrics(cpu) == {"perf/peak_mem_gib/update_actor": 9.5,
+                                        "perf/peak_mem_gib/generate_sequences": 7.0,
+                                        "perf/peak_mem_gib/compute_ref_log_prob": 8.0}
+    gpu = {**cpu, "device/actor_rollout.update_actor": 30.0}  # on GPU: device memory, not host RSS
+    assert peak_memory_metrics(gpu) == {"perf/peak_mem_gib/update_actor": 30.0}
+

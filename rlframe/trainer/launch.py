@@ -104,6 +104,15 @@ class Workers:
         """The group that hosts `role` (the first group for start-up errors, role '<host>')."""
         return next((g for g in self.groups if role in g.roles), self.groups[0])
 
+    def memory_peaks(self) -> dict[str, float]:
+        """The peak memory (GiB) of each (role, method) called since the last read, over all groups and ranks
+        (`WorkerGroup.memory_peaks`)."""
+        peaks: dict[str, float] = {}
+        for group in self.groups:
+            for key, value in group.memory_peaks().items():
+                peaks[key] = max(value, peaks.get(key, 0.0))
+        return peaks
+
     def shutdown(self) -> None:
         """Kill every worker and release the pools' reservations."""
         for group in self.groups:

@@ -112,3 +112,18 @@ def device_peak(cfg) -> tuple[float | None, int]:
             peak = gpu_peak_tflops(torch.cuda.get_device_name(0))
         return peak, devices_needed(cfg)
     return cfg.trainer.device_peak_tflops or measured_matmul_tflops(), cfg.trainer.nnodes
+
+
+def peak_memory_metrics(peaks: dict[str, float]) -> dict[str, float]:
+    """Worker calls' peak memory -> perf/peak_mem_gib/<method>: on GPU the device's peak allocated
+    memory, on CPU the process's peak RSS, the largest over roles and ranks that ran that method this
+    step (e.g. generate_sequences, compute_log_prob, compute_ref_log_prob, update_actor)."""
+    metrics: dict[str, float] = {}
+    kind = "device/" if any(k.startswith("device/") for k in peaks) else "rss/"
+    for key, value in peaks.items():
+        if key.startswith(kind):
+            method = key.removeprefix(kind).split(".", 1)[-1]
+            name = f"perf/peak_mem_gib/{method}"
+            metrics[name] = max(value, metrics.get(name, 0.0))
+    return metrics
+
