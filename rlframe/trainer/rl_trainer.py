@@ -263,6 +263,7 @@ class RLTrainer:
             metrics.update(perf.step_perf(self.model_shape, batch.batch["attention_mask"], batch.batch["response_mask"],
                                           self.phase_times, metrics["timing/step"], forward_passes, trained_passes,
                                           self.peak_tflops, self.devices, samples_per_prompt=cfg.rollout.n))
+            metrics.update(perf.peak_memory_metrics(self.workers.memory_peaks()))
             if cfg.trainer.val_every and step % cfg.trainer.val_every == 0 and step != cfg.trainer.total_steps:
                 metrics.update(self.validate())
             if step == cfg.trainer.total_steps and cfg.trainer.val_at_end and self.val_set:
