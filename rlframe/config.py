@@ -53,14 +53,32 @@ class ArithmeticDataConfig:
 
 
 @dataclass
+class ShapesDataConfig:
+    """data.source=shapes: generated pictures of coloured shapes + counting questions (rlframe/data/shapes.py)."""
+    n_train: int = 256
+    n_val: int = 32
+    seed: int = 0
+    size: int = 112  # image side in pixels (112 px = 8 x 8 patches of 14 px = 16 image tokens on Qwen2.5-VL)
+
+
+@dataclass
 class DataConfig:
-    source: str = "arithmetic"  # arithmetic (generated) | files
+    source: str = "arithmetic"  # arithmetic (generated) | shapes (generated, with images) | files
     # A file, a list of files, `~` and globs (parquet, jsonl, json, csv, arrow, datasets folders, hub
     # ids name@split); giving train_files implies source=files (rlframe/data/files.py).
     train_files: Any = field(default_factory=list)
     val_files: Any = field(default_factory=list)
     arithmetic: ArithmeticDataConfig = field(default_factory=ArithmeticDataConfig)
+    shapes: ShapesDataConfig = field(default_factory=ShapesDataConfig)
     prompt_key: str = "prompt"
+    # Images (verl/EasyR1 layout, rlframe/data/multimodal.py): the column holding each row's list of
+    # images, one <image> placeholder per image in the prompt. An image outside [min_pixels,
+    # max_pixels] (width x height) is scaled into the range (aspect kept) when resize_images, else
+    # one above max_pixels is an error naming file, row and field.
+    image_key: str = "images"
+    min_pixels: int = 3136  # 56 x 56 (Qwen2-VL's processor default)
+    max_pixels: int = 1003520  # 1280 x 28 x 28 (Qwen2-VL's processor default)
+    resize_images: bool = True
     answer_key: Optional[str] = None
     max_prompt_length: int = 128
     max_response_length: int = 64
@@ -179,6 +197,9 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1
     offload_params: bool = False  # GPU only: keep params on CPU between phases (deepspeed: = deepspeed.offload)
     offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases (deepspeed: = adam_offload)
+    # Vision-language models: keep the vision tower (and its patch merger) fixed; only the language
+    # model trains (weight sync still sends every tensor). An error for a text-only model.
+    freeze_vision_tower: bool = False
 
 
 @dataclass
@@ -559,7 +580,15 @@ def validate_config(cfg: RLConfig) -> None:
          "sequence parallelism splits packed rows: it needs actor.use_remove_padding=auto or true")
     need(data.max_prompt_length > 0 and data.max_response_length > 0, "data.max_response_length",
          "prompt and response lengths must be positive")
-    need(data.source in ("arithmetic", "files"), "data.source", f"'{data.source}' is not arithmetic or files")
+    need(data.source in ("arithmetic", "shapes", "files"), "data.source",
+         f"'{data.source}' is not arithmetic, shapes or files")
+    need(0 < data.min_pixels <= data.max_pixels, "data.min_pixels/max_pixels",
+         f"need 0 < min_pixels <= max_pixels, got {data.min_pixels} and {data.max_pixels}. "
+         "Fix: e.g. data.min_pixels=3136 data.max_pixels=1003520")
+    if data.source == "shapes":
+        need(data.shapes.n_train >= data.train_batch_size and data.shapes.size >= 28, "data.shapes",
+             f"n_train={data.shapes.n_train} must fill one batch of data.train_batch_size={data.train_batch_size} "
+             f"and size={data.shapes.size} must be >= 28 px")
     if data.source == "files":
         need(bool(data.train_files), "data.train_files", "data.source=files needs at least one train file")
         from rlframe.data.files import is_hub_id, resolve_data_files

@@ -48,6 +48,9 @@ def copy_tokenizer(source: str | Path, out: Path) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    image_processor = Path(source) / "preprocessor_config.json"  # vision-language models: their image processor
+    if image_processor.is_file():
+        (out / image_processor.name).write_bytes(image_processor.read_bytes())
     try:
         GenerationConfig.from_pretrained(source).save_pretrained(out)
     except OSError:

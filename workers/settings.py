@@ -107,6 +107,7 @@ class EngineSettings:
     megatron: MegatronSettings = field(default_factory=MegatronSettings)  # strategy=megatron only
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: off (full fine-tuning)
     checkpoint_format: str = "full"  # full (gathered, HF safetensors) | sharded (torch.distributed.checkpoint)
+    freeze_vision_tower: bool = False  # vision-language models: the vision tower gets no gradient
 
 
 @dataclass(frozen=True)

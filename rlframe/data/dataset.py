@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from rlframe.data.files import DatasetError, is_hub_id, read_hub_rows, read_with_datasets
+from rlframe.data.multimodal import (ImageProblem, VisionProcessor, decode_image, fit_pixels, image_list,
+                                     split_placeholders)
 from rlframe.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -175,13 +177,20 @@ class RLDataset:
             by a seeded permutation), so a uniform sampler draws the files in those proportions.
         default_data_source: data_source of rows that have none (default: the file's stem).
         seed: seed of the file_weights resampling.
+        image_key: the column of a row's images (verl/EasyR1 layout: a list of bytes, {"bytes", "path"}
+            dicts, file paths or PIL images, one ``<image>`` placeholder per image in the prompt text;
+            rlframe/data/multimodal.py). Rows without it are text rows, handled exactly as before.
+        min_pixels, max_pixels, resize_images: image size limits (``fit_pixels``).
+        processor: a ``VisionProcessor``; None builds one from the tokenizer's folder when a row has images.
     """
 
     def __init__(self, files: list[str] | str, tokenizer, *, prompt_key: str = "prompt",
                  answer_key: str | None = None, max_prompt_length: int = 256,
                  overlong: str = "error", bad_rows: str = "error",
                  prompt_template: str | None = None, file_weights: list[float] | None = None,
-                 default_data_source: str | None = None, seed: int = 0):
+                 default_data_source: str | None = None, seed: int = 0, image_key: str = "images",
+                 min_pixels: int = 28 * 28, max_pixels: int = 1280 * 28 * 28, resize_images: bool = True,
+                 processor: VisionProcessor | None = None):
         if isinstance(files, (str, Path)):
             files = [files]
         files = [str(f) for f in files]
@@ -207,6 +216,8 @@ class RLDataset:
         self.overlong = overlong
         self.bad_rows = bad_rows
         self.default_data_source = default_data_source
+        self.image_key, self.min_pixels, self.max_pixels = image_key, min_pixels, max_pixels
+        self.resize_images, self.processor = resize_images, processor
         self._template = self._load_template(prompt_template)
 
         self.num_skipped = 0     # malformed rows dropped (bad_rows="skip")
@@ -256,22 +267,24 @@ class RLDataset:
                 continue
             example["row"] = number
             examples.append(example)
-            texts.append(example["raw_prompt"])
+            if "images" not in example:  # image rows were tokenized by _check_row (with their image tokens)
+                texts.append(example["raw_prompt"])
         if skipped:
             logger.warning("RLDataset: skipped %d malformed rows of %s; the first: %s",
                            skipped, path, first_problem)
         self.num_skipped += skipped
 
-        token_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        token_ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
         kept = []
-        for example, ids in zip(examples, token_ids):
+        for example in examples:
+            ids = example.pop("input_ids") if "images" in example else next(token_ids)
             if len(ids) > self.max_prompt_length:
                 if self.overlong == "error":
                     raise DatasetError(
                         f"{path}, row {example['row']}: field {self.prompt_key!r}: the prompt has {len(ids)} tokens, more "
                         f"than max_prompt_length={self.max_prompt_length}. Raise "
                         f"max_prompt_length or set overlong='filter' / 'truncate_left'")
-                if self.overlong == "filter":
+                if self.overlong == "filter" or "images" in example:  # image tokens are never cut
                     self.num_filtered += 1
                     continue
                 ids = ids[-self.max_prompt_length:]
@@ -282,8 +295,9 @@ class RLDataset:
         return kept
 
     def _check_row(self, row: dict, path: str) -> dict:
-        """Validate one row and build its example (everything but the token ids)."""
-        _find_bad_text(row, "")
+        """Validate one row and build its example (everything but the token ids of a text row)."""
+        images = image_list(row, self.image_key) if self.image_key in row else None
+        _find_bad_text({k: v for k, v in row.items() if k != self.image_key} if images is not None else row, "")
         prompt = _get_field(row, self.prompt_key)
         if isinstance(prompt, bytes):  # a parquet binary column holding (valid, checked above) UTF-8
             prompt = prompt.decode("utf-8")
@@ -324,24 +338,55 @@ class RLDataset:
         elif not isinstance(extra_info, dict):
             raise _BadRow("extra_info", f"expected a dict, got {type(extra_info).__name__}")
 
+        if images is not None:
+            try:
+                messages = split_placeholders(messages, len(images), self.prompt_key, self.image_key)
+                fitted = [self._image(value, f"{self.image_key}[{j}]", path) for j, value in enumerate(images)]
+            except ImageProblem as exc:
+                raise _BadRow(exc.field, exc.problem) from None
         try:
             raw_prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                             tokenize=False)
         except Exception as exc:
             raise _BadRow(self.prompt_key, f"the chat template failed: {exc}") from None
-        return {"raw_prompt": raw_prompt, "ground_truth": ground_truth,
-                "data_source": data_source, "extra_info": extra_info, "file": path}
+        example = {"raw_prompt": raw_prompt, "ground_truth": ground_truth,
+                   "data_source": data_source, "extra_info": extra_info, "file": path}
+        if images:
+            try:
+                example["input_ids"], _ = self._vision().encode(raw_prompt, fitted)
+            except ValueError as exc:
+                raise _BadRow(self.image_key, str(exc)) from None
+            example["images"] = images  # the sources; decoded again per batch (no decoded copies kept)
+        return example
+
+    def _image(self, value, field: str, path: str):
+        base_dir = None if is_hub_id(path) else Path(path).parent
+        return fit_pixels(decode_image(value, field, base_dir), field, self.min_pixels, self.max_pixels,
+                          self.resize_images)
+
+    def _vision(self) -> VisionProcessor:
+        if self.processor is None:
+            self.processor = VisionProcessor(self.tokenizer.name_or_path, self.tokenizer, self.min_pixels,
+                                             self.max_pixels)
+        return self.processor
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
         """``input_ids`` (list[int], unpadded), ``raw_prompt`` (the templated text),
-        ``ground_truth``, ``data_source``, ``extra_info``, ``index`` (= i)."""
+        ``ground_truth``, ``data_source``, ``extra_info``, ``index`` (= i); an image row adds
+        ``multi_modal_data`` ({"image": [PIL images, size-fitted]}: what a rollout engine takes) and
+        ``multi_modal_inputs`` ({"pixel_values", "image_grid_thw"}: what the model's forward takes)."""
         row = self.rows[i]
-        return {"input_ids": row["input_ids"], "raw_prompt": row["raw_prompt"],
+        item = {"input_ids": row["input_ids"], "raw_prompt": row["raw_prompt"],
                 "ground_truth": row["ground_truth"], "data_source": row["data_source"],
                 "extra_info": row["extra_info"], "index": i}
+        if "images" in row:
+            images = [self._image(value, f"{self.image_key}[{j}]", row["file"]) for j, value in enumerate(row["images"])]
+            item["multi_modal_data"] = {"image": images}
+            item["multi_modal_inputs"] = self._vision().pixel_inputs(images)
+        return item
 
 
 def _resample_files(per_file: list[list[dict]], weights: list[float], seed: int) -> list[list[dict]]:
@@ -388,6 +433,9 @@ def collate_prompts(rows: list[dict], pad_token_id: int,
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     non_tensors = {key: [row[key] for row in rows]
                    for key in ("raw_prompt", "ground_truth", "data_source", "extra_info", "index")}
+    if any("multi_modal_inputs" in row for row in rows):  # image rows (text rows in the batch get None)
+        for key in ("multi_modal_data", "multi_modal_inputs"):
+            non_tensors[key] = [row.get(key) for row in rows]
     return DataProto.from_dict(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask,
                  "position_ids": position_ids},

@@ -91,7 +91,8 @@ def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> En
         **engine_offload(cfg, "actor" if train else "ref"), deepspeed=deepspeed_settings(cfg),
         megatron=megatron_settings(cfg),
         optim=optim_settings(actor.optim, cfg) if train else None,
-        lora=lora_settings(cfg) if train else LoraSettings(), checkpoint_format=cfg.trainer.checkpoint_format)
+        lora=lora_settings(cfg) if train else LoraSettings(), checkpoint_format=cfg.trainer.checkpoint_format,
+        freeze_vision_tower=actor.freeze_vision_tower and train)
 
 
 def actor_update_loop(cfg: RLConfig) -> UpdateLoop:

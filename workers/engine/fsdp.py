@@ -59,7 +59,8 @@ class FSDPEngine(TrainerEngine):
             # (Under LoRA the frozen base needs no fp32 master: bf16 on GPU; peft keeps the adapters in fp32.)
             master_dtype = torch.float32 if ((train and self.lora is None) or not profile.is_gpu) else profile.dtype
             build = lora_lib.build_qlora_base if qlora else build_causal_lm
-            self.model = build(settings.model_path, profile, **({} if qlora else {"dtype": master_dtype}),
+            vision = {"freeze_vision_tower": True} if settings.freeze_vision_tower else {}  # (VLMs only)
+            self.model = build(settings.model_path, profile, **({} if qlora else {"dtype": master_dtype}), **vision,
                                packed=self.packed, gradient_checkpointing=settings.gradient_checkpointing and train,
                                trust_remote_code=settings.trust_remote_code, sequence_parallel=self.sp is not None)
             if self.lora is not None:  # adapters before sharding; the base is frozen from here on
@@ -107,7 +108,8 @@ class FSDPEngine(TrainerEngine):
             return {"values": forward_response_values(self.model, **inputs, response_width=response_width)}
         log_probs, entropy = forward_response_log_probs(self.model, **inputs, response_width=response_width,
                                                         temperature=temperature, with_entropy=with_entropy,
-                                                        packed=self.packed, sp=self.sp)
+                                                        packed=self.packed, sp=self.sp,
+                                                        multi_modal_inputs=micro.non_tensor_batch.get("multi_modal_inputs"))
         return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -30,8 +30,19 @@ def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing
                     packed: bool = False, sequence_parallel: bool = False, **load_kwargs) -> nn.Module:
     """`packed`: the model will only see packed rows; without flash-attn it attends with VARLEN_SDPA.
     `sequence_parallel`: packed rows split over an SP group, attending with ULYSSES_SDPA.
-    `load_kwargs`: more `from_pretrained` arguments (QLoRA's quantization_config and device_map)."""
+    `load_kwargs`: more `from_pretrained` arguments (QLoRA's quantization_config and device_map).
+    A vision-language model (a config with a `vision_config`) is loaded by `build_vision_language_model`."""
     from transformers import AutoModelForCausalLM
+
+    freeze_vision_tower = load_kwargs.pop("freeze_vision_tower", False)
+    if is_vision_language(path, trust_remote_code):
+        return build_vision_language_model(path, profile, gradient_checkpointing=gradient_checkpointing,
+                                           trust_remote_code=trust_remote_code, dtype=dtype, packed=packed,
+                                           sequence_parallel=sequence_parallel,
+                                           freeze_vision_tower=freeze_vision_tower, **load_kwargs)
+    if freeze_vision_tower:
+        raise ValueError(f"actor.freeze_vision_tower=true but {path} is a text-only model (no vision_config). "
+                         "Fix: actor.freeze_vision_tower=false, or a vision-language model.path")
 
     attn_implementation = profile.attn_implementation
     if sequence_parallel:
@@ -49,8 +60,10 @@ def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF causal LM (Llama/Qwen/Mistral layout: model.model.layers)."""
+    """The transformer blocks of an HF causal LM (Llama/Qwen/Mistral layout: model.model.layers; a
+    vision-language model's language model: model.model.language_model.layers)."""
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    base = getattr(base, "language_model", base)
     layers = getattr(base, "layers", None)
     if layers is None:
         raise ValueError(f"cannot find decoder layers on {type(model).__name__}: expected model.model.layers")
@@ -125,7 +138,8 @@ def _logits_at(model: nn.Module, keep: int | torch.Tensor, **inputs) -> torch.Te
 def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                position_ids: torch.Tensor, response_width: int, temperature: float = 1.0,
                                with_entropy: bool = False, packed: bool = False,
-                               sp: SequenceParallelGroup | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               sp: SequenceParallelGroup | None = None,
+                               multi_modal_inputs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens under `model`, shape [B, response_width].
 
     log p(y_t | x, y_<t) = log_softmax(logits_{t-1} / temperature)[y_t]; padding columns shared by
@@ -135,6 +149,11 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     """
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
+    if multi_modal_inputs is not None or getattr(model.config, "vision_config", None) is not None:
+        if multi_modal_inputs is None:  # a vision-language model on text rows: still 3-D (or 4-row packed) positions
+            multi_modal_inputs = [None] * input_ids.size(0)
+        return _multimodal_response_log_probs(model, input_ids, attention_mask, position_ids, response_width,
+                                              temperature, with_entropy, packed, sp, multi_modal_inputs)
     if sp is not None and not packed:
         raise ValueError("sequence parallelism runs on packed rows (actor.use_remove_padding)")
     if packed:
@@ -219,3 +238,145 @@ def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
         return grid
 
     return to_response_grid(log_probs), (to_response_grid(entropy) if entropy is not None else None)
+
+
+# ------------------------------------------------------------------ vision-language models (Qwen2-VL family)
+
+
+def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
+    """The model folder's config has a vision tower (Qwen2-VL / Qwen2.5-VL: `vision_config`)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return False  # let the causal-LM loader report it
+    return getattr(config, "vision_config", None) is not None
+
+
+def build_vision_language_model(path: str, profile: DeviceProfile, *, gradient_checkpointing: bool = False,
+                                trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+                                packed: bool = False, sequence_parallel: bool = False,
+                                freeze_vision_tower: bool = False, **load_kwargs) -> nn.Module:
+    """An image-text-to-text model (`Qwen2_5_VLForConditionalGeneration`) in fp32 (or `dtype`).
+
+    Packed rows attend with VARLEN_SDPA in the language model only; the vision tower keeps SDPA (it
+    separates images itself, by cu_seqlens). `freeze_vision_tower`: the vision tower and its merger
+    get no gradient (the optimizer skips them)."""
+    from transformers import AutoModelForImageTextToText
+
+    if sequence_parallel:
+        raise ValueError("Ulysses sequence parallelism is not supported for vision-language models yet. "
+                         "Fix: actor.ulysses_sequence_parallel_size=1")
+    attn_implementation = profile.attn_implementation
+    if packed and attn_implementation == "sdpa":
+        register_varlen_attention()
+        attn_implementation = {"text_config": VARLEN_SDPA, "vision_config": "sdpa", "": VARLEN_SDPA}
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, **load_kwargs)
+    model.config.use_cache = False
+    if freeze_vision_tower:
+        vision_tower(model).requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The vision encoder (with its patch merger) of a Qwen2-VL-family model."""
+    base = getattr(model, "model", model)
+    tower = getattr(base, "visual", None)
+    if tower is None:
+        raise ValueError(f"{type(model).__name__} has no vision tower (model.model.visual)")
+    return tower
+
+
+def mrope_positions(model: nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """Qwen2-VL's 3-D rotary positions [3, L] of ONE sequence of real tokens (no padding).
+
+    Text tokens advance all three (time, height, width) positions together by 1; the merged patches
+    of an image get (start, start + row, start + column) and the text after it continues from
+    start + max(rows, columns). Computed per sequence, so the positions are the same whether the
+    sequence is alone, left-padded in a batch, or packed with others.
+    """
+    base = getattr(model, "model", model)
+    config = model.config
+    token_type = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+    if not bool(token_type.any()):
+        return torch.arange(input_ids.numel(), device=input_ids.device).unsqueeze(0).expand(3, -1)
+    positions, _ = base.get_rope_index(input_ids.unsqueeze(0), mm_token_type_ids=token_type.unsqueeze(0),
+                                       image_grid_thw=image_grid_thw)
+    return positions[:, 0]
+
+
+def _stack_pixel_inputs(multi_modal_inputs, device) -> dict:
+    """Concatenate the rows' pixel_values and image_grid_thw in row order (rows without images add nothing)."""
+    rows = [m for m in multi_modal_inputs if m is not None]
+    if not rows:
+        return {}
+    return {key: torch.cat([torch.as_tensor(m[key]) for m in rows]).to(device)
+            for key in ("pixel_values", "image_grid_thw")}
+
+
+def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                   position_ids: torch.Tensor, response_width: int, temperature: float,
+                                   with_entropy: bool, packed: bool, sp: SequenceParallelGroup | None,
+                                   multi_modal_inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the response tokens of rows with images (`multi_modal_inputs[b]`: the row's
+    pixel_values and image_grid_thw, or None for a text row), padded or packed.
+
+    The text path's layout with two additions: the pixel inputs of the micro-batch's images, in row
+    order (the model scatters the vision tower's output into the `<|image_pad|>` tokens in the same
+    order), and position ids [4, 1, N] when packed (row 0: the 1-D positions restarting at 0 per
+    sequence, which VARLEN_SDPA reads for the sequence borders; rows 1-3: `mrope_positions` of each
+    sequence, concatenated) or [3, B, T] when padded (0 on padding).
+    """
+    from rlframe.algos import entropy_from_logits, log_probs_from_logits
+
+    if sp is not None:
+        raise ValueError("Ulysses sequence parallelism is not supported with images")
+    device = input_ids.device
+    real = attention_mask.bool()
+    pixel_inputs = _stack_pixel_inputs(multi_modal_inputs, device)
+    grids = [None if m is None else torch.as_tensor(m["image_grid_thw"]).to(device) for m in multi_modal_inputs]
+    rope = [mrope_positions(model, input_ids[b][real[b]], grids[b]) for b in range(input_ids.size(0))]
+    prompt_width = input_ids.size(1) - response_width
+    if packed:
+        response_tokens = real.clone()
+        response_tokens[:, :prompt_width] = False
+        packed_position = real.flatten().cumsum(0).view_as(real) - 1
+        predicting = packed_position[response_tokens] - 1
+        positions = torch.cat([position_ids[real].unsqueeze(0), torch.cat(rope, dim=1)]).unsqueeze(1)
+        logits = _logits_at(model, predicting, input_ids=input_ids[real].unsqueeze(0), position_ids=positions,
+                            attention_mask=None, **pixel_inputs)[0]
+        if temperature != 1.0:
+            logits = logits / temperature
+        targets = input_ids[response_tokens]
+        log_probs = log_probs_from_logits(logits, targets, chunk_size=LOGIT_CHUNK)
+        entropy = entropy_from_logits(logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
+        in_response = response_tokens[:, prompt_width:]
+
+        def to_grid(values: torch.Tensor) -> torch.Tensor:
+            grid = torch.zeros(in_response.shape, dtype=values.dtype, device=values.device)
+            grid[in_response] = values
+            return grid
+
+        return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
+    positions = torch.zeros((3, *input_ids.shape), dtype=torch.long, device=device)
+    for b in range(input_ids.size(0)):
+        positions[:, b, real[b]] = rope[b]
+    start, end = trim_padding_columns(attention_mask, response_width)
+    kept_response = end - prompt_width
+    response_logits = _logits_at(model, kept_response + 1, input_ids=input_ids[:, start:end],
+                                 attention_mask=attention_mask[:, start:end], position_ids=positions[:, :, start:end],
+                                 **pixel_inputs)[:, :-1]
+    if temperature != 1.0:
+        response_logits = response_logits / temperature
+    targets = input_ids[:, prompt_width:end]
+    log_probs = log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)
+    entropy = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
+    pad = response_width - kept_response
+    if pad:
+        log_probs = torch.nn.functional.pad(log_probs, (0, pad))
+        entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
+    return log_probs, entropy

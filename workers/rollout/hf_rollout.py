@@ -67,6 +67,7 @@ class HFRollout:
         if not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else None)
+        kwargs.update(self._image_inputs(part, input_ids))
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         new_tokens = out.sequences[:, input_ids.size(1):]
         # log-probs of the sampled tokens under the temperature-scaled distribution (what the trainer computes)
@@ -81,3 +82,22 @@ class HFRollout:
             responses.append(tokens[:length])
             log_probs.append(lps[:length])
         return responses, log_probs
+
+    def _image_inputs(self, part: DataProto, input_ids: torch.Tensor) -> dict:
+        """Prompts with images (vision-language models): the rows' pixel inputs in row order, and the
+        token types (1 on `<|image_pad|>`) from which the model computes its 3-D rotary positions
+        (without them Qwen2-VL's generate falls back to 1-D positions, and disagrees with the trainer)."""
+        rows = part.non_tensor_batch.get("multi_modal_inputs")
+        if rows is None or all(m is None for m in rows):
+            return {}
+        from rlframe.workers.engine.hf_model import _stack_pixel_inputs
+
+        config = self.model.config
+        token_type = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+        # A sampled vision token in a response would ask the trainer's forward for an image that is not
+        # there (a random-init model samples them; a trained one gives them ~0 probability): never sample them.
+        # The recorded log-probs stay those of the unmodified distribution, as the trainer computes them.
+        vision_tokens = [getattr(config, key, None) for key in ("image_token_id", "video_token_id",
+                                                                 "vision_start_token_id", "vision_end_token_id")]
+        return {**_stack_pixel_inputs(rows, input_ids.device), "mm_token_type_ids": token_type,
+                "suppress_tokens": [t for t in vision_tokens if t is not None]}
