@@ -186,6 +186,11 @@ PEER_KEYS: dict[str, tuple[str | None, Callable | None]] = {
     "trainer.n_gpus_per_node": ("actor.world_size", None),  # x trainer.nnodes: see translate_overrides
     "trainer.device": ("trainer.device", None),
     "trainer.log_val_generations": (None, _ignored),
+    # ---- images (both peers): rlframe/data/multimodal.py
+    "data.image_key": ("data.image_key", None),
+    "data.min_pixels": ("data.min_pixels", None),
+    "data.max_pixels": ("data.max_pixels", None),
+    "worker.actor.model.freeze_vision_tower": ("actor.freeze_vision_tower", None),
     # ---- EasyR1 (examples/config.yaml)
     "data.rollout_batch_size": ("data.train_batch_size", None),
     "data.format_prompt": ("data.prompt_template", None),
@@ -238,10 +243,7 @@ REWARD_KWARGS_PREFIXES = ("custom_reward_function.reward_kwargs.", "worker.rewar
 
 # Peer keys with no rlframe equivalent: key -> the closest of ours (named in the error).
 NO_EQUIVALENT: dict[str, str] = {
-    "data.image_key": "data.prompt_key (rlframe trains text-only models)",
-    "data.video_key": "data.prompt_key (rlframe trains text-only models)",
-    "data.max_pixels": "data.max_prompt_length (rlframe trains text-only models)",
-    "data.min_pixels": "data.max_prompt_length (rlframe trains text-only models)",
+    "data.video_key": "data.image_key (rlframe's vision-language support takes images, not videos)",
     "actor_rollout_ref.rollout.mode": "rollout.engine (rollouts are synchronous: the agent loop is configured under rollout)",
     "actor_rollout_ref.rollout.multi_turn.enable": "rollout (see the agent loop settings in rlframe/config.py)",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor.optim.warmup_steps (a count of steps)",

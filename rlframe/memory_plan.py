@@ -54,6 +54,9 @@ class ModelShape:
     head_dim: int
     experts: int = 1
     tied: bool = False  # the LM head shares the input embedding matrix
+    # A vision-language model's vision tower (included in `params`: weights, gradients and optimizer
+    # state; its activations on the image patches are not modelled).
+    vision_params: int = 0
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
@@ -73,12 +76,14 @@ class ModelShape:
         per_layer = attention + 3 * h * inter * experts + 2 * h
         tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
         embeddings = vocab * h * (1 if tied else 2)
-        return cls(params=embeddings + layers * per_layer + h, layers=layers, hidden=h, intermediate=inter,
-                   vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts, tied=tied)
+        vision = vision_tower_params(config.get("vision_config"), config.get("model_type", ""))
+        return cls(params=embeddings + layers * per_layer + h + vision, layers=layers, hidden=h, intermediate=inter,
+                   vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts, tied=tied,
+                   vision_params=vision)
 
     @property
     def layer_params(self) -> int:
-        return (self.params - self.vocab * self.hidden) // self.layers
+        return (self.params - self.vision_params - self.vocab * self.hidden) // self.layers
 
     def activation_elements_per_token_layer(self) -> int:
         """Tensors a decoder layer saves for backward, per token (counted on transformers' Llama):
@@ -86,6 +91,26 @@ class ModelShape:
         and k's rotated copies (kv), the attention output and o_proj's input (2h), the residual (h):
         10h + 5kv; the MLP's gate, up, act(gate) and product: 4I (per active expert)."""
         return 10 * self.hidden + 5 * self.kv_heads * self.head_dim + 4 * self.intermediate
+
+
+def vision_tower_params(vision: dict | None, model_type: str) -> int:
+    """Parameters of a Qwen2-VL / Qwen2.5-VL vision tower from its vision_config (0 without one).
+
+    Per block: qkv and output projections with biases (4 vh^2 + 4 vh), the MLP (Qwen2.5-VL: gated, 3 vh vi
+    + 2 vi + vh; Qwen2-VL: 2 vh vi + vi + vh), two norms (RMSNorm 2 vh; Qwen2-VL's LayerNorm 4 vh); the patch
+    embedding (C T P^2 vh); the merger of 2x2 patches (a norm, (4 vh)^2 + 4 vh, 4 vh out + out)."""
+    if not vision:
+        return 0
+    vh = int(vision.get("hidden_size") if "qwen2_5" in model_type else vision.get("embed_dim") or vision["hidden_size"])
+    gated = "qwen2_5" in model_type
+    vi = int(vision.get("intermediate_size") if gated else vh * vision.get("mlp_ratio", 4))
+    out = int(vision.get("out_hidden_size") or vision.get("hidden_size"))
+    merged = vh * int(vision.get("spatial_merge_size", 2)) ** 2
+    mlp = 3 * vh * vi + 2 * vi + vh if gated else 2 * vh * vi + vi + vh
+    block = 4 * vh * vh + 4 * vh + mlp + (2 if gated else 4) * vh
+    patch = int(vision.get("in_channels", 3)) * int(vision.get("temporal_patch_size", 2)) * int(vision.get("patch_size", 14)) ** 2 * vh
+    merger = (1 if gated else 2) * vh + merged * merged + merged + merged * out + out
+    return int(vision["depth"]) * block + patch + merger
 
 
 @dataclass

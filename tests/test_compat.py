@@ -90,9 +90,16 @@ def test_easyr1_command_line(tmp_path, capsys):
     assert "algorithm.disable_kl=True -> algorithm.use_kl_loss=false" in out
 
 
+def test_image_keys_map_to_the_image_fields():
+    translated, _ = translate_overrides(["data.image_key=pics", "data.max_pixels=4194304", "data.min_pixels=262144",
+                                         "worker.actor.model.freeze_vision_tower=true"])
+    assert translated == ["data.image_key=pics", "data.max_pixels=4194304", "data.min_pixels=262144",
+                          "actor.freeze_vision_tower=true"]
+
+
 def test_peer_key_without_equivalent_names_closest():
-    with pytest.raises(CompatError, match=r"data.image_key.*no equivalent.*data.prompt_key"):
-        translate_overrides(["data.image_key=images"])
+    with pytest.raises(CompatError, match=r"data.video_key.*no equivalent.*data.image_key"):
+        translate_overrides(["data.video_key=videos"])
     with pytest.raises(CompatError, match=r"tensor_model_parallel_size=2.*rollout.world_size"):
         translate_overrides(["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     with pytest.raises(CompatError, match=r"actor_rollout_ref.actor.foo_bar.*no translation"):

