@@ -363,7 +363,9 @@ def test_feedback_math_environment():
     env.reset({"ground_truth": "12"})
     assert env.step("I think 7 + 5 = 11. The answer is \\boxed{11}.")[1:] == (0.0, False)
     assert "wrong, try again" in env.step("The answer is \\boxed{11}")[0]
-    assert env.step("Sorry: The answer is \\boxed{12}.") == (None, 1.0, True)
+    assert env.step("Sorry: The answer is \\boxed{12}.") == (None, 0.25, True)  # third attempt: 0.5 ** 2
+    env.reset({"ground_truth": "12"})
+    assert env.step("The answer is 12.") == (None, 1.0, True)  # right at once: the full reward
     with pytest.raises(ToolLoadError, match="lacks the method"):
         load_environment(TOOLS, "NotAnEnv")
 

@@ -3,12 +3,19 @@
     rollout.multi_turn.environment={path: tools/feedback_math.py, name: FeedbackMath}
 
 After each model turn, `step` reads the turn's answer (the last ``\\boxed{...}``, else "The answer is X");
-a correct one ends the trajectory with reward 1.0; a wrong or missing one gets a user message saying so
-(reward 0.0) and the model tries again, up to rollout.multi_turn.max_turns turns in all.
+a correct one ends the trajectory with reward RETRY_DISCOUNT ** (attempt - 1): 1.0 on the first attempt,
+0.5 on the second, 0.25 on the third; a wrong or missing one gets a user message saying so (reward 0.0)
+and the model tries again, up to rollout.multi_turn.max_turns turns in all.
+
+Why the discount: the whole trajectory shares one outcome reward, so without it a wrong first attempt
+followed by a right retry is reinforced exactly as much as a right first attempt, and GRPO has no
+reason to prefer answering right at once (the reward function on the last answer still gives 1.0 to
+any trajectory that ends right).
 """
 
 import re
 
+RETRY_DISCOUNT = 0.5
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?(-?[\d,]*\.?\d+)", re.IGNORECASE)
 
@@ -42,5 +49,5 @@ class FeedbackMath:
             return "No answer found. End your reply with: The answer is \\boxed{your number}.", 0.0, False
         truth = _number(self.truth)
         if truth is not None and _number(answer) == truth:
-            return None, 1.0, True
+            return None, RETRY_DISCOUNT ** (self.attempts - 1), True
         return f"{answer} is wrong, try again. End your reply with: The answer is \\boxed{{your number}}.", 0.0, False
