@@ -125,9 +125,9 @@ def compose_config(argv: list[str]) -> RLConfig:
     # data.train_files / val_files: a string or a list, `~` and globs; giving files implies source=files.
     cfg.data.train_files = resolve_data_files(cfg.data.train_files)
     cfg.data.val_files = resolve_data_files(cfg.data.val_files)
-    if cfg.data.train_files and cfg.data.source == "arithmetic":
+    if cfg.data.train_files and cfg.data.source in ("arithmetic", "shapes"):  # (the generated data sets)
         if any(a.startswith("data.source=") for a in overrides):
-            raise UsageError("data.source=arithmetic together with data.train_files: pick one. "
+            raise UsageError(f"data.source={cfg.data.source} together with data.train_files: pick one. "
                              "Fix: drop data.train_files, or data.source=files")
         print("note: data.train_files given -> data.source=files", flush=True)
         cfg.data.source = "files"
@@ -153,6 +153,12 @@ def compose_config(argv: list[str]) -> RLConfig:
 def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
     if cfg.data.source == "files":
         return list(cfg.data.train_files), list(cfg.data.val_files)
+    if cfg.data.source == "shapes":  # generated pictures of shapes with counting questions (vision-language)
+        from rlframe.data.shapes import generate_shapes_dataset
+
+        s = cfg.data.shapes
+        train, val = generate_shapes_dataset(run_dir / "data", n_train=s.n_train, n_val=s.n_val, seed=s.seed, size=s.size)
+        return [str(train)], [str(val)]
     from rlframe.data.arithmetic import generate_arithmetic_dataset
 
     a = cfg.data.arithmetic

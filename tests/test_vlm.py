@@ -374,3 +374,16 @@ def test_memory_plan_counts_the_vision_tower(vlm_dir):
     shape = read_shape(str(vlm_dir))
     assert shape.vision_params == sum(p.numel() for p in model.model.visual.parameters())
     assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_recipe_validates_and_files_replace_the_generated_shapes(tmp_path):
+    from rlframe.config import validate_config
+    from rlframe.main import compose_config
+
+    cfg = compose_config(["recipe=grpo_vlm_shapes"])
+    validate_config(cfg)
+    assert (cfg.model.path, cfg.data.source, cfg.rollout.engine) == ("tiny-qwen2.5-vl", "shapes", "hf")
+    data = tmp_path / "train.parquet"
+    write_rows(data, [image_row("<image>?", [png(28, 28)])])
+    cfg = compose_config(["recipe=grpo_vlm_shapes", f"data.train_files={data}"])
+    assert cfg.data.source == "files" and cfg.data.train_files == [str(data)]

@@ -189,3 +189,11 @@ def has_images(rows: list[dict], image_key: str) -> bool:
 
 def strip_image_placeholders(text: str) -> str:
     return re.sub(re.escape(IMAGE_PLACEHOLDER), "", text)
+
+
+def share_multi_modal_fields(prompts, batch) -> None:
+    """Give the generation prompts (a DataProto popped from `batch`) the rows' images too: the rollout
+    engine needs them, and `batch` keeps them for the trainer's log-prob and update passes."""
+    for key in MULTI_MODAL_KEYS:
+        if key in batch.non_tensor_batch:
+            prompts.non_tensor_batch[key] = batch.non_tensor_batch[key]

