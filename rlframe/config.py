@@ -419,8 +419,8 @@ class MegatronConfig:
     attention) for the actor, the reference policy and the critic. actor.world_size = TP x PP x CP x data-parallel size."""
 
     tensor_model_parallel_size: int = 1  # must divide the attention heads and key/value heads
-    pipeline_model_parallel_size: int = 1  # must divide the layers; only 1 is implemented
-    context_parallel_size: int = 1  # only 1 is implemented
+    pipeline_model_parallel_size: int = 1  # must divide the layers (1F1B schedule over micro-batches)
+    context_parallel_size: int = 1  # only 1: megatron-core's CP attention is transformer-engine's (CUDA)
 
 
 @dataclass
@@ -787,7 +787,7 @@ def validate_model_lora(cfg: RLConfig, model_dir: str) -> None:
 def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> None:
     """actor.strategy=megatron: the package, the parallel sizes against the world size and against the
     model (architecture, heads, layers; when its config is on disk: `model_dir`, a folder, or a
-    provisioned embedded model), and what the engine does not run (Ulysses, PP/CP > 1)."""
+    provisioned embedded model), and what the engine does not run (Ulysses, CP > 1)."""
     if cfg.actor.strategy != "megatron":  # (the section is ignored, so a recipe can be compared with fsdp)
         return
     import importlib.util
@@ -809,11 +809,12 @@ def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> Non
          f"{world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp} (the rest is data "
          f"parallelism). Fix: actor.world_size={tp * pp * cp} (or a multiple), or smaller megatron.* sizes")
     need(cp == 1, "megatron.context_parallel_size",
-         f"{cp}: context parallelism is not implemented by rlframe's megatron engine. Fix: 1")
+         f"{cp}: context parallelism is not run by rlframe's megatron engine: megatron-core 0.16 splits the "
+         "sequence over CP ranks only with transformer-engine's attention (ring attention over CUDA), and the "
+         "local layer spec's attention refuses CP > 1. Fix: 1")
     need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
          "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
     folder = _local_model_dir(model_dir or cfg.model.path)
-    layers_divide = True
     if folder is not None:
         from transformers import AutoConfig
 
@@ -828,11 +829,8 @@ def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> Non
         need(heads % tp == 0 and kv_heads % tp == 0, "megatron.tensor_model_parallel_size",
              f"{tp} does not divide the model's {heads} attention heads and {kv_heads} key/value heads. "
              "Fix: a common divisor of both")
-        layers_divide = layers % pp == 0
-        need(layers_divide, "megatron.pipeline_model_parallel_size",
+        need(layers % pp == 0, "megatron.pipeline_model_parallel_size",
              f"{pp} does not divide the model's {layers} layers. Fix: a divisor of {layers}")
-    need(pp == 1 or not layers_divide, "megatron.pipeline_model_parallel_size",
-         f"{pp}: pipeline parallelism is not implemented by rlframe's megatron engine yet. Fix: 1")
 
 
 def _local_model_dir(path: str) -> str | None:

@@ -3,7 +3,7 @@
 - conversion HF <-> Megatron GPT (fused QKV, gate/up, TP shards): hand-built layouts, exact round trips
   (Llama with grouped-query attention, Qwen2 with QKV biases, padded vocabulary), unsupported models named;
 - config validation before any worker starts: TP not dividing the heads, PP not dividing the layers, the
-  world size not divisible by TP x PP x CP, an unsupported architecture, PP / CP > 1 (not implemented);
+  world size not divisible by TP x PP x CP, an unsupported architecture, CP > 1 (not run, the reason named);
 - the critic (value head on the Megatron body) against the FSDP critic at TP=1 and TP=2, and its resume;
 - the engine against the FSDP engine on the same HF weights and batch: log-probs (atol 1e-5, rtol 1e-4),
   one update's losses, grad norm (rel 1e-4) and updated weights converted back to HF names (atol 1e-5,
@@ -12,7 +12,7 @@
   on the FSDP engine too.
 
 Multi-rank runs go through real worker groups (Ray actors with a gloo process group), as in
-tests/test_actor_data_parallel.py.
+tests/test_actor_data_parallel.py. Pipeline parallelism: tests/test_megatron_pipeline.py.
 """
 
 from __future__ import annotations
@@ -141,8 +141,10 @@ def test_validation_names_bad_parallel_sizes(tiny_model_dir, tmp_path):
     assert "actor.world_size: 4 is not divisible by TP x PP x CP = 4 x 3 x 1 = 12" in message
     assert "megatron.tensor_model_parallel_size: 4 does not divide the model's 2 attention heads" in message
     assert "megatron.pipeline_model_parallel_size: 3 does not divide the model's 2 layers. Fix: a divisor of 2" in message
-    assert "pipeline parallelism is not implemented" in problems(megatron_cfg(tiny_model_dir, world_size=2, tp=1, pp=2))
-    assert "context parallelism is not implemented" in problems(megatron_cfg(tiny_model_dir, tp=1, cp=2))
+    validate_config(megatron_cfg(tiny_model_dir, world_size=2, tp=1, pp=2))  # pipeline parallelism runs
+    validate_config(megatron_cfg(tiny_model_dir, world_size=4, tp=2, pp=2))
+    assert "context parallelism is not run by rlframe's megatron engine: megatron-core 0.16 splits the sequence" \
+        in problems(megatron_cfg(tiny_model_dir, tp=1, cp=2))
     ppo = megatron_cfg(tiny_model_dir)
     ppo.algorithm.adv_estimator = "gae"
     validate_config(ppo)  # the critic runs on Megatron too
@@ -166,7 +168,8 @@ def test_megatron_keys_reach_the_engine_settings(tiny_model_dir):
 
 
 # ------------------------------------------------------------------------------------ equality with FSDP
-def actor_config(model_dir, world_size: int, micro: int, strategy: str = "megatron", tp: int = 1) -> RLConfig:
+def actor_config(model_dir, world_size: int, micro: int, strategy: str = "megatron", tp: int = 1,
+                 pp: int = 1) -> RLConfig:
     """The update of tests/test_actor_data_parallel.py: 8 sequences, one optimiser step, KL loss."""
     cfg = RLConfig()
     cfg.model.path = str(model_dir)
@@ -181,6 +184,7 @@ def actor_config(model_dir, world_size: int, micro: int, strategy: str = "megatr
     cfg.actor.use_remove_padding = "false"
     cfg.algorithm.kl_loss_coef = 0.1
     cfg.megatron.tensor_model_parallel_size = tp
+    cfg.megatron.pipeline_model_parallel_size = pp
     return cfg
 
 
@@ -331,6 +335,10 @@ def test_grpo_two_steps_on_megatron_tp2(tmp_path, tiny_model_dir, placement):
     """`python -m rlframe.main recipe=grpo_math_megatron` at TP=2 on the tiny model: actor and reference
     policy on Megatron, HF rollout (one engine per rank, or one engine fed by the bucketed broadcast);
     weight sync proven by the log-prob agreement; the checkpoint exports."""
+    grpo_two_steps(tmp_path, tiny_model_dir, placement, tp=2, pp=1)
+
+
+def grpo_two_steps(tmp_path, tiny_model_dir, placement: str, tp: int, pp: int) -> None:
     import json
     import math
     import subprocess
@@ -341,7 +349,8 @@ def test_grpo_two_steps_on_megatron_tp2(tmp_path, tiny_model_dir, placement):
 
     reward = Path(__file__).parent / "length_reward.py"  # varies per response: the weights really move
     run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math_megatron", "rollout.engine=hf", "actor.world_size=2",
-                          "megatron.tensor_model_parallel_size=2", f"trainer.placement={placement}",
+                          f"megatron.tensor_model_parallel_size={tp}", f"megatron.pipeline_model_parallel_size={pp}",
+                          f"trainer.placement={placement}",
                           f"rollout.world_size={2 if placement == 'colocated' else 1}", "trainer.save_every=2", "actor.optim.lr=1e-3",
                           f"reward.functions=[{{path:{reward}}}]")
     metrics = read_metrics(run_dir)
@@ -363,10 +372,10 @@ def test_grpo_two_steps_on_megatron_tp2(tmp_path, tiny_model_dir, placement):
 
 
 # ------------------------------------------------------------------------------------ the critic
-def critic_settings_for(model_dir, strategy: str, world_size: int, micro: int, tp: int = 1):
+def critic_settings_for(model_dir, strategy: str, world_size: int, micro: int, tp: int = 1, pp: int = 1):
     from rlframe.trainer.worker_settings import critic_settings
 
-    cfg = actor_config(model_dir, world_size=world_size, micro=micro, strategy=strategy, tp=tp)
+    cfg = actor_config(model_dir, world_size=world_size, micro=micro, strategy=strategy, tp=tp, pp=pp)
     cfg.actor.ppo_mini_batch_size = 2  # x n=2 -> 4 sequences: the whole batch
     cfg.critic.ppo_micro_batch_size_per_device = micro
     cfg.critic.cliprange_value = 0.0

@@ -42,7 +42,7 @@ class LossOutput:
     mini-batches). `stats`: per-micro-batch statistics (clip fractions, ...), reported as means.
     """
 
-    loss: torch.Tensor
+    loss: torch.Tensor  # (a float in what `accumulate_gradients` returns: the value only)
     terms: dict[str, float] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -161,10 +161,10 @@ class TrainerEngine(ABC):
         data, own_rows = self.gather_sequence_parallel(data)
         response_width = data.batch["responses"].size(1)
         parts: dict[str, list[torch.Tensor]] = {}
-        order: list[int] = []
-        for indices in micro_batch_indices(data, settings.micro_batch_size, settings.max_tokens_per_micro_batch):
-            order += indices
-            out = self.forward_micro(data[indices], response_width, settings.temperature, with_entropy)
+        micros = micro_batch_indices(data, settings.micro_batch_size, settings.max_tokens_per_micro_batch)
+        order = [row for indices in micros for row in indices]
+        for out in self.forward_micros([data[indices] for indices in micros], response_width, settings.temperature,
+                                       with_entropy):
             for key, value in out.items():
                 parts.setdefault(key, []).append(value.cpu())
         self.model.train(was_training)
@@ -192,17 +192,16 @@ class TrainerEngine(ABC):
             for mini_index, mini in enumerate(minis):
                 agg = global_agg_kwargs(mini, loop.loss_agg_mode, response_width, replicas)
                 self.optimizer.zero_grad(set_to_none=True)
+                micros = micro_batch_indices(mini, loop.micro_batch_size, loop.max_tokens_per_micro_batch)
+                tokens_trained += int(mini.batch["attention_mask"].sum())
                 first_bad = None  # where the loss first went non-finite in this mini-batch
-                for micro_index, indices in enumerate(
-                        micro_batch_indices(mini, loop.micro_batch_size, loop.max_tokens_per_micro_batch)):
-                    micro = mini[indices]
-                    tokens_trained += int(micro.batch["attention_mask"].sum())
-                    out = loss_fn(self.forward_micro(micro, response_width, temperature, with_entropy), micro, agg)
-                    if first_bad is None and not torch.isfinite(out.loss.detach()):
+                for micro_index, (indices, out) in enumerate(zip(micros, self.accumulate_gradients(
+                        [mini[indices] for indices in micros], response_width, loss_fn, agg, temperature,
+                        with_entropy))):
+                    if first_bad is None and not math.isfinite(out.loss):
                         values = ", ".join(f"{k.split('/')[-1]}={v}" for k, v in out.terms.items())
                         first_bad = (f"epoch {epoch}, mini-batch {mini_index}, micro-batch {micro_index} "
-                                     f"(rows {indices} of the mini-batch; {values}, loss={out.loss.item()})")
-                    self.backward(out.loss * world)
+                                     f"(rows {indices} of the mini-batch; {values}, loss={out.loss})")
                     for key, value in out.terms.items():
                         recorded.record(key, value)
                         term_keys.add(key)
@@ -223,6 +222,23 @@ class TrainerEngine(ABC):
         metrics[f"perf/{self.name}_train_tokens_per_s"] = (
             all_reduce_sum(tokens_trained) / replicas / max(time.perf_counter() - start, 1e-9))
         return metrics
+
+    def forward_micros(self, micros: list[DataProto], response_width: int, temperature: float,
+                       with_entropy: bool) -> list[dict[str, torch.Tensor]]:
+        """`forward_micro` on each micro-batch in turn (an engine with a pipeline schedule runs them its way)."""
+        return [self.forward_micro(micro, response_width, temperature, with_entropy) for micro in micros]
+
+    def accumulate_gradients(self, micros: list[DataProto], response_width: int, loss_fn: LossFn, agg: dict,
+                             temperature: float, with_entropy: bool) -> list[LossOutput]:
+        """Accumulate the gradients of one mini-batch's micro-batches; their losses as floats (for the
+        metrics and the non-finite check), in micro-batch order. Each micro-batch's loss is its share of
+        the global mini-batch loss; `backward` gets it times the world size (see `train_step`)."""
+        world, results = world_size(), []
+        for micro in micros:
+            out = loss_fn(self.forward_micro(micro, response_width, temperature, with_entropy), micro, agg)
+            self.backward(out.loss * world)
+            results.append(LossOutput(float(out.loss.detach()), out.terms, out.stats))
+        return results
 
     def guarded_step(self, first_bad: str | None = None) -> float:
         """Clip and step; a non-finite gradient norm skips the step, and too many in a row stop the run."""

@@ -1,5 +1,5 @@
-"""The Megatron-core trainer engine (`actor.strategy=megatron`): tensor parallelism for the actor and the
-reference policy.
+"""The Megatron-core trainer engine (`actor.strategy=megatron`): tensor and pipeline parallelism for the
+actor, the reference policy and the critic.
 
     engine = MegatronEngine(settings, profile, name="actor")   # via build_engine(...)
 
@@ -8,41 +8,69 @@ of rlframe/algos): what changes is the model.
 
 - The HF checkpoint (Llama / Qwen2 family; anything else is a ValueError naming the architecture) is
   converted into a Megatron-core `GPTModel` built with the transformer-engine-free local layer spec
-  (`megatron_convert.py`: fused QKV and gate/up, TP shards). Core attention is torch's SDPA
-  (`SDPACoreAttention`) with our padding + causal mask, which is what runs on CPU over gloo (the CPU
-  profile) and on GPU without transformer-engine.
-- Tensor parallelism: the world is split into groups of `tp` consecutive ranks (Megatron's
-  parallel_state); the ranks of a group first exchange their data-parallel chunks (as Ulysses does,
-  `gather_rows`), so the driver dispatches exactly as for FSDP and every rank of a group computes
-  the same loss on the union of the chunks. Logits are all-gathered over the vocabulary-parallel LM
-  head (`_GatherVocab`), so log-probs and entropies go through the same functions as FSDP's.
+  (`megatron_convert.py`: fused QKV and gate/up, TP shards, layers renumbered per pipeline stage). Core
+  attention is torch's SDPA (`SDPACoreAttention`) with our padding + causal mask, which is what runs on
+  CPU over gloo (the CPU profile) and on GPU without transformer-engine.
+- The ranks of one model replica (TP x PP: Megatron's model-parallel group) first exchange their
+  data-parallel chunks (as Ulysses does, `gather_rows`), so the driver dispatches exactly as for FSDP
+  and every rank of a replica holds the same rows; each returns its own rows' results.
+- Tensor parallelism: groups of `tp` consecutive ranks (Megatron's parallel_state). Logits are
+  all-gathered over the vocabulary-parallel LM head (`_GatherVocab`), so log-probs and entropies go
+  through the same functions as FSDP's.
+- Pipeline parallelism (`pipeline_model_parallel_size`, must divide the layers): each stage builds its
+  part of the GPTModel (the first the embedding, the last the final norm + LM head or the critic's value
+  head, `num_layers / pp` layers each). A mini-batch's micro-batches go through megatron-core's 1F1B
+  schedule (`get_forward_backward_func`; forward_only for log-probs, entropy and values), each trimmed to
+  its own padding (`variable_seq_lengths`: shapes travel ahead of activations). The last stage applies
+  the same loss function to each micro-batch; `calculate_per_token_loss` stops the schedule from
+  rescaling it, since it already is the micro-batch's share of the global loss. Outputs and loss values
+  are broadcast from the last stage over the pipeline group. On CPU the schedule's CUDA-only
+  allocations are redirected (`_TorchOnCPU`). Tied embeddings (SmolLM2): megatron-core's own tying
+  copies the weight to the last stage with `.cuda()` and all-reduces gradients through its DDP
+  wrapper's `main_grad`, so here the last stage holds its own LM head loaded from the embedding and the
+  engine all-reduces the two gradients over Megatron's embedding group before each step: the copies
+  stay equal (tested: log-probs after an update equal FSDP's).
 - Loss normalisation: the base loop normalises by the global token / sequence counts (counted once per
-  TP group: `sequence_parallel_size` reports `tp` as the number of ranks that hold each row) and
-  calls `backward(loss * world)`; we backpropagate `loss / world` and sum the gradients over the
-  data-parallel group, which gives the gradient of the global mini-batch loss (TP 1 vs 2 and 1 vs 2
-  micro-batches are the same update: tests/test_megatron.py).
-- Gradient norm: squares of TP-sharded gradients summed over the TP group, replicated ones (norms)
-  counted once; clipped as torch's clip_grad_norm_ does. AdamW on each rank's shards is the same as on
-  the full tensors (elementwise).
-- `iter_full_weights` gathers each parameter's TP shards (one parameter at a time) and yields HF
-  names and layouts: weight sync to vLLM, `save_hf`, and checkpoints. Checkpoints use the FSDP
-  engine's layout (`checkpoint.py`: full weights + Adam moments under HF names), so they export with
-  `python -m rlframe.export` and resume at another TP size or on the FSDP engine.
+  replica: `sequence_parallel_size` reports TP x PP as the number of ranks that hold each row) and
+  calls `backward(loss * world)`; we backpropagate `loss / world` (the pipeline: the loss itself) and
+  sum the gradients over the data-parallel group, which gives the gradient of the global mini-batch
+  loss (TP 1 vs 2, PP 1 vs 2 and 1 vs several micro-batches are the same update: tests/test_megatron.py,
+  tests/test_megatron_pipeline.py).
+- Gradient norm: squares summed over TP shards and PP stages (the model-parallel group), replicated
+  tensors (norms) counted once per TP group and the tied LM head copy not at all; clipped as torch's
+  clip_grad_norm_ does. AdamW on each rank's shards is the same as on the full tensors (elementwise).
+- `iter_full_weights` streams every stage's parameters in stage order: the owner stage gathers one
+  parameter's TP shards, converts it to HF names and layouts and (PP > 1) broadcasts each tensor over
+  the pipeline group; the model's `state_dict` lists the same names and shapes (the disaggregated
+  broadcast plans its buckets from it). Weight sync to vLLM, `save_hf` and checkpoints use it.
+  Checkpoints use the FSDP engine's layout (`checkpoint.py`: full weights + Adam moments under HF
+  names), so they export with `python -m rlframe.export` and resume at another TP / PP size or on the
+  FSDP engine.
 
-Not here (config validation says so before any worker starts): pipeline parallelism (PP > 1),
-context and expert parallelism, Megatron's sequence parallelism.
+Not here (config validation says so before any worker starts):
+- context parallelism: megatron-core 0.16's local layer spec attention (`DotProductAttention`) asserts
+  `context_parallel_size == 1` ("only supported by TEDotProductAttention"); TE's attention does the ring
+  exchange of key/value blocks with CUDA streams and fused kernels. Our SDPA core attention would need
+  its own key/value exchange and load-balanced sequence split: not written.
+- expert parallelism / MoE: the conversion covers dense Llama / Qwen2 only (Qwen2-MoE, Mixtral are
+  refused by name: router, per-expert and shared-expert weights, the router's softmax / top-k order
+  and its auxiliary loss are not mapped). On CPU, megatron-core 0.16's alltoall token dispatcher (the
+  usual one for EP > 1) creates a `torch.cuda.Stream` in its constructor; its all-gather dispatcher
+  was not tried over gloo.
+- Megatron's sequence parallelism, activation recompute, virtual pipeline stages (interleaving).
 
 PPO's critic (`head="value"`): the same GPT body without its LM head (embedding -> decoder with the
 final norm) and the value head of `value_model.py` (`Linear(hidden, 1)`, zero-initialised, replicated
-over TP, its own LR), saved under the same names as the FSDP critic's.
+over TP, on the last pipeline stage, its own LR), saved under the same names as the FSDP critic's.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -51,8 +79,8 @@ from torch import nn
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
-from rlframe.workers.distributed import barrier, rank as global_rank, world_size
-from rlframe.workers.engine.base import TrainerEngine
+from rlframe.workers.distributed import all_reduce_max, barrier, rank as global_rank, world_size
+from rlframe.workers.engine.base import LossFn, LossOutput, TrainerEngine
 from rlframe.workers.engine.checkpoint import OPTIMIZER_FILE, load_rank_state, save_rank_state
 from rlframe.workers.engine.hf_model import LOGIT_CHUNK, trim_padding_columns
 from rlframe.workers.engine.megatron_convert import GPTArch, hf_to_megatron, is_tensor_parallel, megatron_to_hf
@@ -117,51 +145,56 @@ def attention_mask_for(attention_mask: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ the model
 class MegatronCausalLM(nn.Module):
-    """The Megatron GPTModel with the HF config attached (roles write `model.config` next to exported weights)."""
+    """The Megatron GPTModel (this pipeline stage's part of it) with the HF config attached (roles write
+    `model.config` next to exported weights). `weight_view`: the HF names, global shapes and dtypes of
+    the whole model in `iter_full_weights` order (the engine sets it once its stages are known)."""
 
     def __init__(self, gpt: nn.Module, hf_config, arch: GPTArch, tp_group=None, tp: int = 1):
         super().__init__()
         self.gpt, self.config, self.arch, self.tp_group, self.tp = gpt, hf_config, arch, tp_group, tp
+        self.weight_view: dict[str, torch.Tensor] = {}
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The HF-named view of the weights: global shapes and dtypes on the meta device (no data, no
-        collective), in `iter_full_weights` order. It is what the disaggregated broadcast plans its
-        buckets from (`merged_weight_view`); the weights themselves come from `iter_full_weights`."""
-        view = {}
-        for name, param in self.gpt.named_parameters():
-            shard = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            for hf_name, full in megatron_to_hf(name, [shard] * (self.tp if is_tensor_parallel(name) else 1),
-                                                self.arch):
-                view[hf_name] = full
-                if hf_name == "model.embed_tokens.weight" and self.arch.tie_embeddings:
-                    view["lm_head.weight"] = full
-        return view
+        collective), in `iter_full_weights` order, every pipeline stage's. It is what the disaggregated
+        broadcast plans its buckets from (`merged_weight_view`); the weights come from `iter_full_weights`."""
+        return dict(self.weight_view)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [b, s, V] (the TP shards of the LM head gathered)."""
-        logits = self.gpt(input_ids=input_ids, position_ids=position_ids,
-                          attention_mask=attention_mask_for(attention_mask))
+        """Full-vocabulary logits [b, s, V] (the TP shards of the LM head gathered) on the last pipeline
+        stage; the hidden states [s, b, h] for the next stage on the others."""
+        out = self.gpt(input_ids=input_ids, position_ids=position_ids,
+                       attention_mask=attention_mask_for(attention_mask))
+        if not self.gpt.post_process:
+            return out
         if self.tp_group is not None:
-            logits = _GatherVocab.apply(logits, self.tp_group)
-        return logits[..., : self.arch.vocab_size]
+            out = _GatherVocab.apply(out, self.tp_group)
+        return out[..., : self.arch.vocab_size]
 
 
 class MegatronValueModel(nn.Module):
-    """The GPT body (embedding, decoder with its final norm; no LM head) + a scalar value head: values [b, s]."""
+    """The GPT body (embedding, decoder with its final norm; no LM head) + a scalar value head: values [b, s]
+    (the head on the last pipeline stage; the other stages return their hidden states [s, b, h])."""
 
     def __init__(self, gpt: nn.Module, hf_config, arch: GPTArch):
         super().__init__()
         self.gpt, self.config, self.arch = gpt, hf_config, arch
+        self.weight_view: dict[str, torch.Tensor] = {}
         gpt.output_layer = None  # (untied checkpoints: the LM head is not part of the value model)
-        self.value_head = nn.Linear(arch.hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        self.value_head = nn.Linear(arch.hidden_size, 1) if gpt.post_process else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
-        rope = self.gpt.rotary_pos_emb(hidden.size(0))
+        hidden = None  # (a later pipeline stage: the decoder takes the tensor set by set_input_tensor)
+        if self.gpt.pre_process:
+            hidden = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
+        rope = self.gpt.rotary_pos_emb(input_ids.size(1))
         hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=attention_mask_for(attention_mask),
                                   rotary_pos_emb=rope)
+        if self.value_head is None:
+            return hidden
         return self.value_head(hidden).squeeze(-1).transpose(0, 1).float()
 
 
@@ -202,31 +235,52 @@ def init_model_parallel(tp: int, pp: int = 1, cp: int = 1) -> None:
                                              context_parallel_size=cp)
 
 
-def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """An empty GPTModel for this TP rank (local layer spec, SDPA core attention)."""
+def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype = torch.float32,
+              pp: int = 1, pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    """An empty GPTModel for this TP rank and pipeline stage (local layer spec, SDPA core attention).
+
+    Under PP the stage holds `num_layers / pp` layers; the first stage has the embedding, the last the
+    final norm and the LM head. Tied embeddings under PP: the last stage's LM head is its own parameter
+    (`output_layer.weight`, loaded from the embedding) kept equal to the first stage's embedding by the
+    engine (one all-reduce of their gradients over Megatron's embedding group: what megatron-core's
+    DDP wrapper does in finalize_model_grads; its own tying, share_embeddings_and_output_weights, copies
+    the weight at build time with `weight.data.cuda()`, which fails on CPU)."""
     _, GPTModel, get_gpt_layer_local_spec, TransformerConfig = _import_megatron()
+    if arch.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the model's {arch.num_layers} layers")
     config = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, params_dtype=dtype,
+        pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
+        # the loss of each micro-batch is already its share of the global mini-batch loss (rlframe's
+        # normalisers): the schedule must not divide it by the number of micro-batches or tokens
+        calculate_per_token_loss=True,
         use_cpu_initialization=not profile.is_gpu, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, sequence_parallel=False)
+    # Micro-batches are trimmed to their own padding: the pipeline schedule sends each activation's shape
+    # ahead of it. (Set after __post_init__, which refuses it with the MoE all-gather token dispatcher,
+    # the default even without experts.)
+    config.variable_seq_lengths = pp > 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab(tp),
-                   max_sequence_length=arch.max_position_embeddings, pre_process=True, post_process=True,
-                   parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
+                   max_sequence_length=arch.max_position_embeddings, pre_process=pre_process,
+                   post_process=post_process, parallel_output=True,
+                   share_embeddings_and_output_weights=arch.tie_embeddings and pp == 1,
                    position_embedding_type="rope", rotary_base=int(arch.rope_theta)
                    if float(arch.rope_theta).is_integer() else arch.rope_theta)
     if not profile.is_gpu:
         # megatron-core 0.16's RotaryEmbedding.get_emb moves its inv_freq to CUDA on first use: on CPU
         # the same embedding without that move.
         gpt.rotary_pos_emb.get_emb = types.MethodType(_rope_emb_in_place, gpt.rotary_pos_emb)
+        if pp > 1:
+            _pipeline_on_cpu()
     return gpt.to(profile.device)
 
 
@@ -236,6 +290,39 @@ def _rope_emb_in_place(rope, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         raise NotImplementedError("interleaved RoPE on CPU")
     freqs = rope.get_freqs_non_repeated(max_seq_len, offset)
     return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+class _TorchOnCPU:
+    """`torch` as megatron-core 0.16's pipeline schedule and p2p code see it on CPU: they allocate their
+    receive buffers and shape messages on `torch.cuda.current_device()`, call `torch.cuda.synchronize()`
+    after batched p2p, and count tokens in `torch.zeros(..., device="cuda")`; here those land on the
+    CPU and the synchronisation is a no-op (gloo's isend/irecv complete on wait()). Everything else is torch."""
+
+    class cuda:  # (stands in for the torch.cuda module)
+        @staticmethod
+        def current_device() -> str:
+            return "cpu"
+
+        @staticmethod
+        def synchronize(*_, **__) -> None:
+            return None
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _pipeline_on_cpu() -> None:
+    """Point megatron-core's pipeline schedule and p2p modules at `_TorchOnCPU` (CPU processes only)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.pipeline_parallel import p2p_communication, schedules
+    for module in (p2p_communication, schedules):
+        if not isinstance(module.torch, _TorchOnCPU):
+            module.torch = _TorchOnCPU()
 
 
 class _LazyHFState(Mapping):
@@ -284,14 +371,22 @@ def load_local_state(params: dict[str, nn.Parameter], local: dict[str, torch.Ten
 
 
 # ------------------------------------------------------------------------------------ engine
+CP_REFUSAL = (
+    "context parallelism needs a core attention that exchanges key/value blocks between the CP ranks "
+    "(ring attention): megatron-core 0.16 has it only in transformer-engine's TEDotProductAttention "
+    "(attn_mask_type / cp_comm_type handled by TE's fused kernels, CUDA only), while its local layer spec "
+    "(DotProductAttention) asserts context_parallel_size == 1 and our SDPA core attention sees only its "
+    "own sequence chunk")
+
+
 class MegatronEngine(TrainerEngine):
     def __init__(self, settings: EngineSettings, profile: DeviceProfile, name: str = "actor"):
         from transformers import AutoConfig
 
         mg = settings.megatron
-        if mg.pipeline_model_parallel_size != 1 or mg.context_parallel_size != 1:
-            raise ValueError(f"{name}: megatron pipeline / context parallelism is not implemented. "
-                             "Fix: megatron.pipeline_model_parallel_size=1 and megatron.context_parallel_size=1")
+        if mg.context_parallel_size != 1:
+            raise ValueError(f"{name}: megatron.context_parallel_size={mg.context_parallel_size}: {CP_REFUSAL}. "
+                             "Fix: megatron.context_parallel_size=1")
         if settings.sequence_parallel_size > 1:
             raise ValueError(f"{name}: Ulysses sequence parallelism runs on the fsdp engine only. "
                              "Fix: actor.ulysses_sequence_parallel_size=1")
@@ -302,17 +397,33 @@ class MegatronEngine(TrainerEngine):
                            "activation recompute is not wired here); activations are kept", name)
         hf_config = AutoConfig.from_pretrained(settings.model_path, trust_remote_code=settings.trust_remote_code)
         arch = GPTArch.from_hf(hf_config)  # ValueError naming an unsupported architecture
-        self.tp = mg.tensor_model_parallel_size
-        init_model_parallel(self.tp)
+        self.tp, self.pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+        if arch.num_layers % self.pp:
+            raise ValueError(f"{name}: megatron.pipeline_model_parallel_size={self.pp} does not divide the model's "
+                             f"{arch.num_layers} layers. Fix: a divisor of {arch.num_layers}")
+        init_model_parallel(self.tp, self.pp)
         parallel_state = _import_megatron()[0]
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)  # global ranks of the stages, in stage order
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp = parallel_state.get_data_parallel_world_size()
-        self.row_group = SequenceParallelGroup(self.tp_group, self.tp, self.tp_rank) if self.tp > 1 else None
-        torch.manual_seed(0)  # (perform_initialization=False: the values are all overwritten below)
-        gpt = build_gpt(arch, self.tp, profile)
+        # The ranks of one model replica (TP x PP) hold the same rows: they exchange their data-parallel chunks.
+        self.mp_group = parallel_state.get_model_parallel_group() if self.tp * self.pp > 1 else None
+        self.row_group = (SequenceParallelGroup(self.mp_group, self.tp * self.pp, dist.get_rank(self.mp_group))
+                          if self.mp_group is not None else None)
+        # Tied embeddings under PP: the last stage's LM head is a copy of the first stage's embedding (the
+        # critic has no LM head).
         self.value_head = settings.head == "value"
+        self.tied_copy = arch.tie_embeddings and self.pp > 1 and not self.value_head
+        self.embedding_group = (parallel_state.get_embedding_group()
+                                if self.tied_copy and (self.first_stage or self.last_stage) else None)
+        torch.manual_seed(0)  # (perform_initialization=False: the values are all overwritten below)
+        gpt = build_gpt(arch, self.tp, profile, pp=self.pp, pre_process=self.first_stage, post_process=self.last_stage)
+        self.layer_offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
         if self.value_head:
             self.model = MegatronValueModel(gpt, hf_config, arch).to(self.device)
         else:
@@ -322,8 +433,10 @@ class MegatronEngine(TrainerEngine):
         # (a critic built from a causal LM has no value head on disk: it stays at zero)
         names = [n for n in self.params if n in self._gpt_names or n in hf_state]
         load_local_state({n: self.params[n] for n in names},
-                         hf_to_megatron(hf_state, arch, self.tp_rank, self.tp, names=names))
-        self.sharded = self.tp > 1 or self.dp > 1
+                         hf_to_megatron(hf_state, arch, self.tp_rank, self.tp, names=names,
+                                        layer_offset=self.layer_offset))
+        self._plan_weights()
+        self.sharded = self.tp > 1 or self.pp > 1 or self.dp > 1
         self.optimizer_steps = self.consecutive_skips = 0
         train = settings.optim is not None
         if not train:
@@ -334,9 +447,9 @@ class MegatronEngine(TrainerEngine):
         self.model.train()
         optim = settings.optim
         if self.value_head:  # the head starts at zero and must reach the reward scale: its own LR
-            head = list(self.model.value_head.parameters())
+            head = list(self.model.value_head.parameters()) if self.model.value_head is not None else []
             groups = [{"params": [p for p in self.model.gpt.parameters()], "lr": optim.lr},
-                      {"params": head, "lr": optim.head_lr or optim.lr}]
+                      {"params": head, "lr": optim.head_lr or optim.lr}]  # (empty before the last stage)
         else:
             groups = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas),
@@ -347,9 +460,10 @@ class MegatronEngine(TrainerEngine):
 
     @property
     def params(self) -> dict[str, nn.Parameter]:
-        """Megatron names (the GPT's) and `value_head.*` (the critic's head) -> this rank's parameters."""
+        """Megatron names (this stage's GPT part, layers numbered locally) and `value_head.*` (the critic's
+        head, on the last stage) -> this rank's parameters."""
         named = dict(self.model.gpt.named_parameters())
-        if self.value_head:
+        if self.value_head and self.model.value_head is not None:
             named.update({f"value_head.{n}": p for n, p in self.model.value_head.named_parameters()})
         return named
 
@@ -357,38 +471,140 @@ class MegatronEngine(TrainerEngine):
     def _gpt_names(self) -> set[str]:
         return {n for n, _ in self.model.gpt.named_parameters()}
 
+    def _is_tied_copy(self, name: str) -> bool:
+        """The last stage's copy of the tied embedding (PP > 1): neither streamed, saved nor counted twice."""
+        return self.tied_copy and name == "output_layer.weight"
+
+    def _hf_of(self, name: str, tensor: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
+        """HF names (and global meta tensors) of one of this rank's Megatron parameters."""
+        tensor = self.params[name] if tensor is None else tensor
+        shard = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        return megatron_to_hf(name, [shard] * (self.tp if is_tensor_parallel(name) else 1), self.arch,
+                              self.layer_offset)
+
+    def _plan_weights(self) -> None:
+        """Every stage's parameters (Megatron name, HF names, global shapes) in stage order: what
+        `iter_full_weights` streams and what the model's `state_dict` view lists (one exchange at build)."""
+        mine = [(name, self.layer_offset, self._hf_of(name, p)) for name, p in self.params.items()
+                if not self._is_tied_copy(name)]
+        stages = [mine]
+        if self.pp > 1:
+            stages = [None] * self.pp
+            dist.all_gather_object(stages, mine, group=self.pp_group)
+        self.plan = [(stage, name, offset, metas) for stage, entries in enumerate(stages)
+                     for name, offset, metas in entries]
+        view = {}
+        for _, _, _, metas in self.plan:
+            for hf_name, meta in metas:
+                view[hf_name] = meta
+                if hf_name == "model.embed_tokens.weight" and self.arch.tie_embeddings:
+                    view["lm_head.weight"] = meta
+        self.model.weight_view = view
+
     # ------------------------------------------------------------------ the interface
     @property
     def sequence_parallel_size(self) -> int:
-        """Ranks that hold each row (the TP group): the loop counts normalisers once per group."""
-        return self.tp
+        """Ranks that hold each row (one model replica: TP x PP): the loop counts normalisers once per replica."""
+        return self.tp * self.pp
 
     def gather_sequence_parallel(self, data: DataProto) -> tuple[DataProto, slice]:
         return gather_rows(data, self.row_group) if self.row_group is not None else (data, slice(0, len(data)))
 
-    def forward_micro(self, micro: DataProto, response_width: int, temperature: float = 1.0,
-                      with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        from rlframe.algos import entropy_from_logits, log_probs_from_logits
-
+    def _inputs(self, micro: DataProto, response_width: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        """The model inputs trimmed to the micro-batch's padding, and what `_outputs` needs to cut the response."""
         input_ids, attention_mask, position_ids = (micro.batch[k].to(self.device) for k in
                                                    ("input_ids", "attention_mask", "position_ids"))
         start, end = trim_padding_columns(attention_mask, response_width)
         prompt_width = input_ids.size(1) - response_width
+        return ((input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end]),
+                (input_ids, start, end, prompt_width, response_width))
+
+    def _outputs(self, out: torch.Tensor, span: tuple, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        """The last stage's output (logits [b, s, V] or values [b, s]) -> the response's [B, R] outputs."""
+        from rlframe.algos import entropy_from_logits, log_probs_from_logits
+
+        input_ids, start, end, prompt_width, response_width = span
         pad = response_width - (end - prompt_width)
         if self.value_head:  # V before each response token: the previous column's hidden state
-            values = self.model(input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end])
-            values = values[:, prompt_width - start - 1: end - start - 1]
+            values = out[:, prompt_width - start - 1: end - start - 1]
             return {"values": torch.nn.functional.pad(values, (0, pad)) if pad else values}
-        logits = self.model(input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end])
         # logits at column c predict the token at column c + 1
-        response_logits = logits[:, prompt_width - 1 - start: end - 1 - start]
+        response_logits = out[:, prompt_width - 1 - start: end - 1 - start]
         if temperature != 1.0:
             response_logits = response_logits / temperature
         targets = input_ids[:, prompt_width:end]
-        out = {"log_probs": log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)}
+        result = {"log_probs": log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)}
         if with_entropy:
-            out["entropy"] = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK)
-        return {k: torch.nn.functional.pad(v, (0, pad)) if pad else v for k, v in out.items()}
+            result["entropy"] = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK)
+        return {k: torch.nn.functional.pad(v, (0, pad)) if pad else v for k, v in result.items()}
+
+    def forward_micro(self, micro: DataProto, response_width: int, temperature: float = 1.0,
+                      with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        if self.pp > 1:
+            raise RuntimeError("under pipeline parallelism micro-batches go through the pipeline schedule "
+                               "(forward_micros / accumulate_gradients), not one at a time")
+        inputs, span = self._inputs(micro, response_width)
+        return self._outputs(self.model(*inputs), span, temperature, with_entropy)
+
+    # ------------------------------------------------------------------ pipeline parallelism
+    def _pipeline(self, micros: list[DataProto], response_width: int, on_output: Callable, forward_only: bool) -> None:
+        """All micro-batches through megatron-core's 1F1B schedule (forward_only: forwards only). On the
+        last stage `on_output(output, micro=, span=)` gets each micro-batch's logits / values and returns
+        the (loss, token count, data) triple the schedule backpropagates from; with
+        `calculate_per_token_loss` set the schedule takes the loss as it is."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, _gpt):
+            micro = next(data_iterator)
+            inputs, span = self._inputs(micro, response_width)
+            return self.model(*inputs), functools.partial(on_output, micro=micro, span=span)
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micros), model=self.model.gpt,
+                                    num_microbatches=len(micros), seq_length=1, micro_batch_size=1,
+                                    forward_only=forward_only)
+
+    def _from_last_stage(self, value):
+        """The last stage's `value` (a picklable object) on every stage of this pipeline."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self.pp_ranks[-1], group=self.pp_group)
+        return box[0]
+
+    def forward_micros(self, micros: list[DataProto], response_width: int, temperature: float,
+                       with_entropy: bool) -> list[dict[str, torch.Tensor]]:
+        if self.pp == 1:
+            return super().forward_micros(micros, response_width, temperature, with_entropy)
+        outputs: list[dict[str, torch.Tensor]] = []
+
+        def collect(output, micro, span):
+            outputs.append({k: v.cpu() for k, v in self._outputs(output, span, temperature, with_entropy).items()})
+            return output.new_zeros(()), torch.zeros((), dtype=torch.int), {}
+
+        self._pipeline(micros, response_width, collect, forward_only=True)
+        return self._from_last_stage(outputs)
+
+    def accumulate_gradients(self, micros: list[DataProto], response_width: int, loss_fn: LossFn, agg: dict,
+                             temperature: float, with_entropy: bool) -> list[LossOutput]:
+        """PP > 1: the same loss functions and normalisers, the micro-batches through the pipeline schedule.
+        Each micro-batch's loss is already its share of the global mini-batch loss (the base loop's
+        `backward(loss * world)` then divides by the world again: the same gradient)."""
+        if self.pp == 1:
+            return super().accumulate_gradients(micros, response_width, loss_fn, agg, temperature, with_entropy)
+        results: list[LossOutput] = []
+
+        def loss(output, micro, span):
+            out = loss_fn(self._outputs(output, span, temperature, with_entropy), micro, agg)
+            results.append(LossOutput(float(out.loss.detach()), out.terms, out.stats))
+            return out.loss, torch.zeros((), dtype=torch.int), {}
+
+        self._pipeline(micros, response_width, loss, forward_only=False)
+        # A loss function that counts on the way (PolicyObjective's on-policy drift |rollout - old|) ran
+        # on the last stage only: its counters are copied to the other stages, so that what the role
+        # reduces over the ranks afterwards is the same on every rank (and no rank skips a collective).
+        counters = {k: v for k, v in getattr(loss_fn, "__dict__", {}).items() if type(v) in (int, float)}
+        results, counters = self._from_last_stage((results, counters))
+        if not self.last_stage:
+            vars(loss_fn).update(counters)
+        return results
 
     def backward(self, loss: torch.Tensor) -> None:
         # `loss` is this group's share of the global loss times the world size; every rank of a TP group
@@ -396,20 +612,22 @@ class MegatronEngine(TrainerEngine):
         (loss / world_size()).backward()
 
     def clip_norm(self, max_norm: float) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        named = {n: p for n, p in self.params.items() if p.grad is not None}
+        if self.embedding_group is not None:  # tied embeddings under PP: first stage's + last stage's gradient
+            shared = named.get("embedding.word_embeddings.weight", named.get("output_layer.weight"))
+            dist.all_reduce(shared.grad, group=self.embedding_group)
         if self.dp > 1:
-            for p in params:
+            for p in named.values():
                 dist.all_reduce(p.grad, group=self.dp_group)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        names = {id(p): n for n, p in self.params.items()}
-        for p in params:
-            if self.tp_rank == 0 or is_tensor_parallel(names[id(p)]):
+        for name, p in named.items():
+            if not self._is_tied_copy(name) and (self.tp_rank == 0 or is_tensor_parallel(name)):
                 squares += p.grad.detach().double().pow(2).sum()
-        if self.tp > 1:
-            dist.all_reduce(squares, group=self.tp_group)
+        if self.mp_group is not None:  # TP shards and PP stages
+            dist.all_reduce(squares, group=self.mp_group)
         total = float(squares.sqrt())
         coef = min(max_norm / (total + 1e-6), 1.0)
-        for p in params:
+        for p in named.values():
             p.grad.mul_(coef)
         return total
 
@@ -421,10 +639,22 @@ class MegatronEngine(TrainerEngine):
         dist.all_gather(shards, tensor.detach().contiguous(), group=self.tp_group)
         return shards
 
-    def _iter_hf(self, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+    def _iter_hf(self, local: Callable[[nn.Parameter], torch.Tensor], dtype: torch.dtype | None
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in tensors:
-            for hf_name, full in megatron_to_hf(name, self._gathered(name, tensor), self.arch):
+        """HF names and full tensors of `local(param)` for every parameter of every stage, in plan order:
+        the owner stage gathers the TP shards and converts, then (PP > 1) broadcasts each tensor over the
+        pipeline group, one at a time."""
+        params = self.params
+        for stage, name, offset, metas in self.plan:
+            if stage == self.pp_rank:
+                pairs = megatron_to_hf(name, self._gathered(name, local(params[name])), self.arch, offset)
+            else:
+                pairs = [(hf_name, torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
+                         for hf_name, meta in metas]
+            for hf_name, full in pairs:
+                if self.pp > 1:
+                    full = full.contiguous()
+                    dist.broadcast(full, src=self.pp_ranks[stage], group=self.pp_group)
                 full = full.to(dtype) if dtype is not None and full.is_floating_point() else full
                 yield hf_name, full
                 if hf_name == "model.embed_tokens.weight" and self.arch.tie_embeddings:
@@ -432,32 +662,33 @@ class MegatronEngine(TrainerEngine):
 
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors, one Megatron parameter gathered at a time (every rank iterates)."""
-        return self._iter_hf(self.params.items(), dtype)
+        return self._iter_hf(lambda p: p.detach(), dtype)
 
     # ------------------------------------------------------------------ checkpoints (checkpoint.py's layout)
     def save_state(self, out_dir: str, tokenizer_source: str | None = None) -> None:
         out = Path(out_dir)
         weights = {n: t.cpu() for n, t in self.iter_full_weights()}
         state: dict[str, dict] = {}
-        for key in ADAM_STATE_KEYS:
-            moments = ((n, self.optimizer.state[p][key]) for n, p in self.params.items()
-                       if p in self.optimizer.state)
-            for hf_name, tensor in self._iter_hf(moments, None):
-                state.setdefault(hf_name, {})[key] = tensor.cpu()
-        for name, p in self.params.items():
-            if p in self.optimizer.state:
-                step = self.optimizer.state[p]["step"]
-                for hf_name, _ in megatron_to_hf(name, [p.detach()] * (self.tp if is_tensor_parallel(name) else 1),
-                                                 self.arch):
-                    state.setdefault(hf_name, {})["step"] = step.clone()
+        # Adam's moments exist for every parameter after the first step (all of them get gradients)
+        if all_reduce_max(int(any(p not in self.optimizer.state for p in self.params.values()))) == 0:
+            step = next(iter(self.optimizer.state.values()))["step"]
+            for key in ADAM_STATE_KEYS:
+                for hf_name, tensor in self._iter_hf(lambda p, key=key: self.optimizer.state[p][key], None):
+                    state.setdefault(hf_name, {})[key] = tensor.cpu()
+            for entry in state.values():
+                entry["step"] = step.clone()
         if self.arch.tie_embeddings:
             state.pop("lm_head.weight", None)
         names = {id(p): n for n, p in self.params.items()}
+        mine = [[hf for p in group["params"] if not self._is_tied_copy(names[id(p)])
+                 for hf, _ in self._hf_of(names[id(p)])] for group in self.optimizer.param_groups]
+        stages = [mine]
+        if self.pp > 1:  # (the groups' parameters of every stage, in stage order)
+            stages = [None] * self.pp
+            dist.all_gather_object(stages, mine, group=self.pp_group)
         groups = []
-        for group in self.optimizer.param_groups:  # (the critic: backbone, then the value head with its LR)
-            hf_names = [hf for p in group["params"] for hf, _ in megatron_to_hf(
-                names[id(p)], [p.detach()] * (self.tp if is_tensor_parallel(names[id(p)]) else 1), self.arch)
-                if hf in state]
+        for index, group in enumerate(self.optimizer.param_groups):  # (the critic: backbone, then the value head)
+            hf_names = [hf for stage in stages for hf in stage[index] if hf in state]
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": hf_names})
         optim_state = {"state": state, "param_groups": groups}
         rank = global_rank()
@@ -473,16 +704,19 @@ class MegatronEngine(TrainerEngine):
         src = Path(in_dir)
         names = list(self.params)
         load_local_state(self.params, hf_to_megatron(_read_hf_state(str(src)), self.arch, self.tp_rank, self.tp,
-                                                     names=names))
+                                                     names=names, layer_offset=self.layer_offset))
         saved = torch.load(src / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
         params = self.params
         moments = {key: {n: s[key] for n, s in saved["state"].items() if key in s} for key in ADAM_STATE_KEYS}
-        local = {key: hf_to_megatron(moments[key], self.arch, self.tp_rank, self.tp, names=names)
+        local = {key: hf_to_megatron(moments[key], self.arch, self.tp_rank, self.tp, names=names,
+                                     layer_offset=self.layer_offset)
                  for key in ADAM_STATE_KEYS if moments[key]}
         for name, p in params.items():
             if not local or name not in local["exp_avg"]:
                 continue
-            hf_first = megatron_to_hf(name, [p.detach()] * (self.tp if is_tensor_parallel(name) else 1), self.arch)[0][0]
+            hf_first = "model.embed_tokens.weight" if self._is_tied_copy(name) else self._hf_of(name)[0][0]
+            if hf_first not in saved["state"] and name == "output_layer.weight":
+                hf_first = "model.embed_tokens.weight"  # (a tied checkpoint saved the embedding's state only)
             self.optimizer.state[p] = {"step": saved["state"][hf_first]["step"].clone().float(),
                                        **{key: local[key][name].to(p.device) for key in ADAM_STATE_KEYS}}
         if len(saved["param_groups"]) != len(self.optimizer.param_groups):
@@ -491,4 +725,3 @@ class MegatronEngine(TrainerEngine):
         for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         return load_rank_state(self, src)
-

@@ -6,6 +6,10 @@ Pure tensor code (no process group): the Megatron engine (`megatron.py`) and its
     local = hf_to_megatron(hf_state, arch, tp_rank, tp)      # this TP rank's Megatron parameters
     hf = megatron_to_hf(name, [shard_0, ..., shard_tp-1], arch)  # [(hf name, full tensor), ...]
 
+A pipeline stage numbers its layers from 0 (`decoder.layers.0` is global layer `layer_offset`): both
+directions take `layer_offset=`; the last stage's copy of a tied LM head (`output_layer.weight`) is read
+from `model.embed_tokens.weight` when the checkpoint has no `lm_head.weight`.
+
 Megatron's fused layouts:
 - `linear_qkv` (column parallel): per query group g, [the group's q heads; its k head; its v head],
   groups outermost, so TP rank r holds groups [r * G/tp, (r + 1) * G/tp) with their q, k, v rows;
