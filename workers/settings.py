@@ -84,8 +84,8 @@ class MegatronSettings:
     """The Megatron-core engine's parallel sizes (`workers/engine/megatron.py`; config section `megatron`)."""
 
     tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1  # (validated; the engine runs PP=1 only)
-    context_parallel_size: int = 1  # (validated; the engine runs CP=1 only)
+    pipeline_model_parallel_size: int = 1  # (validated: divides the layers; 1F1B schedule over micro-batches)
+    context_parallel_size: int = 1  # (validated; the engine runs CP=1 only: CP attention is transformer-engine's)
 
 
 @dataclass(frozen=True)
