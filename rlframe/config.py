@@ -146,6 +146,11 @@ class AlgorithmConfig:
     # (or actor.policy_loss=<name>). See examples/custom_estimator/.
     custom_estimator: PluginConfig = field(default_factory=lambda: PluginConfig())
     custom_policy_loss: PluginConfig = field(default_factory=lambda: PluginConfig())
+    # The behaviour policy's correction (rlframe/algos/off_policy.py): tis weights each token's policy-gradient
+    # term by min(pi_old / pi_rollout, tis_cap), pi_rollout being the engine's log-probs of its samples |
+    # none | auto: tis with trainer.async_rollout (samples from older weights), none otherwise.
+    off_policy_correction: str = "auto"
+    tis_cap: float = 2.0
 
 
 @dataclass
@@ -308,6 +313,11 @@ class RewardConfig:
     batch_timeout_s: float = 300.0
     fallback_score: float = 0.0
     fail_fast: bool = False
+    # Score step k's samples in a background thread while the old-log-prob / reference / critic passes run;
+    # the driver joins the scores before the advantage (timing/reward_wait_s: how long it blocked there).
+    # Same scores, same failure messages and counts; false: score, then run those passes (the old order).
+    # Steps that need the rewards before the log-probs (DAPO's dynamic sampling) always score first.
+    overlap: bool = True
 
 
 @dataclass
@@ -400,6 +410,13 @@ class TrainerConfig:
     # One device's peak TFLOP/s for perf/mfu (default: the datasheet bf16 figure of known GPUs, the
     # fp32 matmul rate measured at start on CPU).
     device_peak_tflops: Optional[float] = None
+    # One-step off-policy training (disaggregated placement): the engines generate step k+1's batch while
+    # the trainer updates on step k's; the weights reach the engines between steps. Each sample records
+    # the version of the weights that generated it (policy_version = updates applied); the staleness
+    # (trainer version - sample version, async/staleness_max) never exceeds max_staleness (0: generate
+    # after each sync, as the synchronous loop; 1: one step ahead). Corrected by algorithm.off_policy_correction.
+    async_rollout: bool = False
+    max_staleness: int = 1
 
 
 # OpenRLHF's DeepSpeed flags that rlframe does not implement: key -> what it is (set, it is an error).
@@ -620,6 +637,7 @@ def validate_config(cfg: RLConfig) -> None:
     need(trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates", "must be >= 1")
     _validate_algorithm(cfg, need)
     _validate_placement(cfg, need)
+    _validate_async(cfg, need)
     _validate_deepspeed(cfg, need)
     _validate_megatron(cfg, need)
     _validate_lora(cfg, need)
@@ -940,6 +958,39 @@ def _validate_placement(cfg: RLConfig, need) -> None:
              + (f"(actor.world_size={cfg.actor.world_size} + rollout.world_size={rollout_world_size(cfg)})"
                 if t.placement == "disaggregated" else f"(actor.world_size={cfg.actor.world_size})")
              + f" but trainer.nnodes x trainer.devices_per_node = {have}. Fix: raise one of them or lower the world sizes")
+
+
+def off_policy_correction(cfg: RLConfig) -> str:
+    """algorithm.off_policy_correction with auto resolved: tis for asynchronous rollouts, none otherwise."""
+    chosen = cfg.algorithm.off_policy_correction
+    return ("tis" if cfg.trainer.async_rollout else "none") if chosen == "auto" else chosen
+
+
+def _validate_async(cfg: RLConfig, need) -> None:
+    """trainer.async_rollout / max_staleness and the off-policy correction (rlframe/algos/off_policy.py)."""
+    from rlframe.algos.off_policy import OFF_POLICY_CORRECTIONS
+
+    t, algo = cfg.trainer, cfg.algorithm
+    need(algo.off_policy_correction in OFF_POLICY_CORRECTIONS, "algorithm.off_policy_correction",
+         f"'{algo.off_policy_correction}' is not one of {', '.join(OFF_POLICY_CORRECTIONS)}")
+    need(_is_number(algo.tis_cap) and algo.tis_cap >= 1.0, "algorithm.tis_cap",
+         f"{algo.tis_cap} must be a number >= 1 (a cap below 1 down-weights even on-policy tokens). Fix: 2.0")
+    need(t.max_staleness in (0, 1), "trainer.max_staleness",
+         f"{t.max_staleness}: the asynchronous loop generates at most one step ahead (0: after each sync, as the "
+         "synchronous loop; 1: one step ahead). Fix: trainer.max_staleness=1 (or 0)")
+    if not t.async_rollout:
+        return
+    # Without a correction the update treats samples of older weights as on-policy (what several peers' async
+    # modes do silently): allowed only when asked for by name, algorithm.off_policy_correction=none.
+    need(t.placement == "disaggregated", "trainer.async_rollout",
+         f"generation overlaps the update only when the engines have devices of their own (trainer.placement="
+         f"{t.placement}: they share the trainer's). Fix: trainer.placement=disaggregated, or trainer.async_rollout=false")
+    need(not algo.dynamic_sampling.enable, "algorithm.dynamic_sampling.enable",
+         "dynamic sampling regenerates until the batch is full, which needs the rewards before the next generation "
+         "starts; it is not pipelined. Fix: algorithm.dynamic_sampling.enable=false, or trainer.async_rollout=false")
+    need(algo.adv_estimator != "remax", "algorithm.adv_estimator",
+         "ReMax's greedy baseline must come from the weights that sampled the batch; the asynchronous loop does not "
+         "generate it ahead. Fix: another estimator (grpo, rloo), or trainer.async_rollout=false")
 
 
 def _validate_deepspeed(cfg: RLConfig, need) -> None:

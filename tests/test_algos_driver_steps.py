@@ -147,6 +147,7 @@ class StubTrainer(RLTrainer):
     def __init__(self, cfg: RLConfig, rewards: RewardManager, lengths, truths, run_dir: Path):
         self.cfg, self.rewards, self._rollout, self.run_dir = cfg, rewards, StubRollout(lengths), run_dir
         self.tokenizer, self.pad_token_id, self.phase_times, self.step = StubTokenizer(), 0, {}, 0
+        self.timeline = []
         self.val_set = [{"input_ids": [5, 6], "raw_prompt": "p", "ground_truth": truth, "data_source": "d",
                          "extra_info": None, "index": i} for i, truth in enumerate(truths)]
         self.tracker = Tracker(run_dir, ["jsonl"], "rlframe", "stub", {})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from rlframe.algos import PolicyLossConfig, agg_loss, compute_value_loss, get_policy_loss, kl_penalty
+from rlframe.algos.off_policy import truncated_is_weights
 from rlframe.protocol import DataProto
 from rlframe.workers.engine.base import LossOutput
 from rlframe.workers.settings import PolicyLossSettings
@@ -18,6 +19,8 @@ class PolicyObjective:
 
     On-policy (no `old_log_probs` in the batch: one epoch, one mini-batch) the old log-probs are the
     current forward's, detached; the engine/trainer gap `|rollout_log_probs - old|` is summed on the way.
+    With `tis_cap` (an off-policy correction) each token's policy-gradient term is weighted by
+    min(exp(old - rollout_log_probs), tis_cap) (rlframe/algos/off_policy.py).
     """
 
     def __init__(self, settings: PolicyLossSettings, on_policy: bool):
@@ -41,8 +44,14 @@ class PolicyObjective:
                 self.drift_tokens += float(mask.sum())
         else:
             old_log_prob = micro.batch["old_log_probs"].to(device)
+        pg_agg, tis_metrics = agg, {}
+        if cfg.tis_cap is not None:
+            weights, tis_metrics = truncated_is_weights(old_log_prob, micro.batch["rollout_log_probs"].to(device), mask,
+                                                        cfg.tis_cap)
+            pg_agg = {**agg, "weights": weights}
         pg_loss, pg_metrics = self.policy_loss(old_log_prob, log_prob, micro.batch["advantages"].to(device), mask,
-                                               config=self.loss_config, agg=agg)
+                                               config=self.loss_config, agg=pg_agg)
+        pg_metrics.update(tis_metrics)
         loss, terms = pg_loss, {}
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, micro.batch["ref_log_prob"].to(device), cfg.kl_loss_type)

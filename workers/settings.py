@@ -136,6 +136,9 @@ class PolicyLossSettings:
     kl_loss_type: str = "low_var_kl"
     custom_loss_path: str | None = None  # algorithm.custom_policy_loss: a file registered as `policy_loss`
     custom_loss_name: str | None = None
+    # Off-policy correction (rlframe/algos/off_policy.py): the cap C of the truncated importance weights
+    # min(pi_old / pi_rollout, C) on each token's policy-gradient term; None: no correction.
+    tis_cap: float | None = None
 
 
 @dataclass(frozen=True)

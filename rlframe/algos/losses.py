@@ -6,7 +6,8 @@ Every policy loss has the same signature
 
     loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, config=PolicyLossConfig(), agg=agg)
 
-where `agg` holds the keyword arguments of `agg_loss` (mode, num_tokens, num_seqs, horizon).
+where `agg` holds the keyword arguments of `agg_loss` (mode, num_tokens, num_seqs, horizon, and
+`weights` under an off-policy correction: a loss passes `**agg` on to agg_loss, and so applies them).
 `metrics` are plain floats computed on the tensors given (a micro-batch): the worker averages them.
 
 Register your own with `@register_policy_loss("name")` or through `rlframe.algos.plugins`.
@@ -35,10 +36,13 @@ def agg_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     horizon: int | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss matrix [B, T] to a scalar.
 
-    With l = loss_mat, m = loss_mask, n_i = sum_t m[i, t]:
+    With l = loss_mat (times `weights` [B, T] when given: per-token weights such as the truncated
+    importance weights of rlframe/algos/off_policy.py; they do not change the normalisers),
+    m = loss_mask, n_i = sum_t m[i, t]:
 
         "token-mean":               sum_{i,t} l*m / num_tokens
         "seq-mean-token-sum":       sum_i (sum_t l*m) / num_seqs
@@ -66,6 +70,8 @@ def agg_loss(
     A normaliser below 1 is treated as 1, so an all-masked input gives loss 0, never NaN.
     """
     mask = loss_mask.to(loss_mat.dtype)
+    if weights is not None:
+        loss_mat = loss_mat * weights.to(loss_mat.dtype)
     masked_loss = loss_mat * mask
     if mode == "token-mean":
         if num_tokens is None:

@@ -62,14 +62,16 @@ class DisaggregatedActorRollout:
     def __init__(self, actor: RoleHandle, rollout: RoleHandle):
         self.actor = actor
         self.rollout = rollout
+        self.policy_version: int | None = None  # the version the next load_checkpoint's weights have, when known
 
     def generate_sequences(self, prompts, **kwargs):
         return self.rollout.generate_sequences(prompts, **kwargs)
 
-    def sync_weights(self, _timeout=None, **kwargs) -> list[dict]:
+    def sync_weights(self, _timeout=None, policy_version: int | None = None, **kwargs) -> list[dict]:
+        """Broadcast the actor's weights to the engines; `policy_version` is recorded on the samples they generate."""
         start = time.perf_counter()
         sending = self.actor.broadcast_weights(_blocking=False, _timeout=_timeout)
-        receiving = self.rollout.receive_weights(_blocking=False, _timeout=_timeout)
+        receiving = self.rollout.receive_weights(policy_version, _blocking=False, _timeout=_timeout)
         sent, received = sending.result()[0], receiving.result()
         return [{"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/tensors": sent["tensors"],
                  "weight_sync/buckets": sent["buckets"], "weight_sync/bytes": sent["bytes"],
@@ -77,7 +79,7 @@ class DisaggregatedActorRollout:
 
     def load_checkpoint(self, in_dir, **kwargs):
         info = self.actor.load_checkpoint(in_dir, **kwargs)
-        self.sync_weights()
+        self.sync_weights(policy_version=self.policy_version)
         return info
 
     def describe(self, **kwargs) -> list[dict]:

@@ -3,10 +3,11 @@
     for step in steps:
         batch  = next prompts
         batch  = batch.union(actor_rollout.generate_sequences(batch))   # n samples per prompt
-        batch  = score(batch)                                           # user reward functions
+        scores = start_scoring(batch)                                   # user reward functions, in a thread
         batch  = batch.union(actor_rollout.compute_log_prob(batch))
         batch  = batch.union(ref.compute_ref_log_prob(batch))           # when KL is used
         batch  = batch.union(critic.compute_values(batch))              # PPO (gae) only
+        batch  = join_scores(batch, scores)                             # token_level_scores
         batch  = token_level_rewards(batch)                             # scores (- beta * KL in reward)
         batch  = compute_advantage(batch)                               # pure function, here
         critic.update_critic(batch)                                     # PPO (gae) only
@@ -16,6 +17,11 @@
 DAPO's dynamic sampling repeats the first two lines until the batch holds train_batch_size
 prompts whose rewards differ (`rollout_batch`); ReMax adds one greedy sample per prompt.
 
+Scoring overlaps the log-prob passes (reward.overlap, the default): the reward functions run in
+a background thread of this process (their process pool does the work) and the scores are joined
+before the advantage; with reward.overlap=false, or when the step needs its rewards first (dynamic
+sampling), the scores are joined at once. Every phase's start and end go to <run_dir>/timeline.jsonl.
+
 Workers compute; this file decides what to compute.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,7 +51,7 @@ from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
 from rlframe.rng import sample_seeds
 from rlframe.memory_plan import read_shape
 from rlframe.trainer import algorithm_steps, checkpoint, fault, perf
-from rlframe.trainer.launch import Workers, start_workers
+from rlframe.trainer.launch import DisaggregatedActorRollout, Workers, start_workers
 from rlframe.trainer.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -118,6 +125,9 @@ class RLTrainer:
         self.tokenizer = tokenizer
         self.run_dir = run_dir
         self.phase_times: dict[str, float] = {}
+        self.timeline: list[tuple[str, float, float]] = []  # (phase, start, end) of this step, perf_counter
+        self.clock_start = time.perf_counter()
+        self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlframe-reward")
         data = cfg.data
         dataset_kwargs = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, prompt_template=data.prompt_template,
                               max_prompt_length=data.max_prompt_length, overlong=data.overlong, bad_rows=data.bad_rows,
@@ -143,6 +153,10 @@ class RLTrainer:
         self.step, self.first_val, self.last_metrics = 0, {}, {}
         self.tracker = Tracker(run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name, cfg.trainer.experiment_name,
                                to_container(cfg), total_steps=cfg.trainer.total_steps)
+        # trainer.async_rollout: generation runs this many steps ahead of the update (0: as the synchronous loop)
+        self.async_depth = cfg.trainer.max_staleness if cfg.trainer.async_rollout else 0
+        self.ahead: PendingRollout | None = None  # the next step's generation, in flight on the engines
+        self.policy_version = 0  # actor updates applied so far: the version of the trainer's weights
         self.on_policy_update = (cfg.actor.skip_old_log_prob_when_on_policy and cfg.actor.ppo_epochs == 1
                                  and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
                                  and not cfg.algorithm.use_kl_in_reward)  # the reward KL needs old log-probs
@@ -180,7 +194,19 @@ class RLTrainer:
             yield
         except WorkerError as error:  # name the step and phase; a timeout also dumps the stuck stacks
             raise fault.annotate(error, phase, self.step, getattr(self, "workers", None))
-        self.phase_times[phase] = self.phase_times.get(phase, 0.0) + time.perf_counter() - start
+        self.record_phase(phase, start, time.perf_counter())
+
+    def record_phase(self, phase: str, start: float, end: float) -> None:
+        self.phase_times[phase] = self.phase_times.get(phase, 0.0) + end - start
+        self.timeline.append((phase, start, end))
+
+    def write_timeline(self, step: int, step_start: float) -> None:
+        """<run_dir>/timeline.jsonl: the step's span and one row per phase, in seconds on one clock (from the
+        driver's start). With trainer.async_rollout a step's `rollout` began during the previous step."""
+        with open(self.run_dir / "timeline.jsonl", "a") as f:
+            for phase, start, end in [("step", step_start, time.perf_counter()), *self.timeline]:
+                f.write(json.dumps({"step": step, "phase": phase, "start": round(start - self.clock_start, 6),
+                                    "end": round(end - self.clock_start, 6)}) + "\n")
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -199,7 +225,9 @@ class RLTrainer:
                 self.resume_from = checkpoint.find_latest_complete(self.run_dir)
 
     def save_checkpoint(self, step: int) -> None:
-        driver_state = {"sampler": self.sampler.state_dict(), "val_before": self.first_val,
+        # (the prompts of a generation in flight are drawn again after a resume)
+        sampler = self.ahead.sampler_state if self.ahead is not None else self.sampler.state_dict()
+        driver_state = {"sampler": sampler, "val_before": self.first_val,
                         "last_metrics": self.last_metrics, "kl_coef": getattr(self.kl_ctrl, "value", None)}
         t = self.cfg.trainer
         checkpoint.save_checkpoint(self.workers, self.run_dir, step, driver_state,
@@ -210,6 +238,8 @@ class RLTrainer:
         """Load `ckpt` into the workers and the driver; returns the step to continue after (0: fresh)."""
         if ckpt is None:
             return 0
+        if isinstance(self.actor_rollout, DisaggregatedActorRollout):  # the engines record the restored version
+            self.actor_rollout.policy_version = self.updates_after(ckpt.step)
         state = checkpoint.restore_checkpoint(self.workers, ckpt, timeout_s=self.cfg.trainer.timeouts.init)
         if state.get("kl_coef") is not None and self.kl_ctrl is not None:
             self.kl_ctrl.value = float(state["kl_coef"])  # the adaptive controller's beta
@@ -221,16 +251,23 @@ class RLTrainer:
     def train(self, start_step: int) -> dict:
         cfg = self.cfg
         timeouts = cfg.trainer.timeouts
+        self.ahead, self.policy_version = None, self.updates_after(start_step)
         if start_step == 0 and cfg.trainer.val_before_train and self.val_set:
             self.first_val = self.validate()
             self.tracker.log(0, self.first_val)
         for step in range(start_step + 1, cfg.trainer.total_steps + 1):
             self.step = step
             step_start = time.perf_counter()
-            self.phase_times = {}
-            batch, reward_metrics = self.rollout_batch(step)
+            self.phase_times, self.timeline = {}, []
+            batch, reward_metrics, scores = self.rollout_batch(step)
+            if self.async_depth and step < cfg.trainer.total_steps:  # the engines start on the next batch now
+                self.ahead = self.start_generation(step + 1)
+            reward_metrics.update(self.staleness_metrics(batch))
             if cfg.trainer.balance_batch:
-                batch = balance_across_ranks(batch, cfg.actor.world_size)
+                order = balanced_order(batch, cfg.actor.world_size)
+                if order is not None:
+                    batch.reorder(order)
+                    scores.reorder(order)
             if not self.on_policy_update:
                 with self.timed("old_log_prob"):
                     batch = batch.union(self.actor_rollout.compute_log_prob(batch, _timeout=timeouts.log_prob))
@@ -240,6 +277,7 @@ class RLTrainer:
             if self.critic is not None:
                 with self.timed("values"):
                     batch = batch.union(self.critic.compute_values(batch, _timeout=timeouts.log_prob))
+            reward_metrics.update(self.join_scores(batch, scores))
             kl_metrics = algorithm_steps.token_level_rewards(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
             with self.timed("advantage"):
                 batch = compute_advantage(batch, cfg)
@@ -250,8 +288,11 @@ class RLTrainer:
             if step > cfg.trainer.critic_warmup:  # PPO: the first critic_warmup steps train only the critic
                 with self.timed("update"):
                     train_metrics.update(self.actor_rollout.update_actor(batch, _timeout=timeouts.update).meta_info["metrics"])
+                self.policy_version += 1
+            self.finish_generation_ahead()  # the engines are idle before they receive weights
+            if step > cfg.trainer.critic_warmup:
                 with self.timed("weight_sync"):
-                    sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync)[0]
+                    sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync, **self.version_arg())[0]
                 train_metrics["weight_sync/seconds"] = sync["timing/weight_sync_s"]
                 if "weight_sync/bytes" in sync:
                     train_metrics["weight_sync/bytes"] = float(sync["weight_sync/bytes"])
@@ -272,6 +313,7 @@ class RLTrainer:
             if step == cfg.trainer.total_steps and cfg.trainer.val_at_end and self.val_set:
                 metrics.update(self.validate())
             self.tracker.log(step, metrics)
+            self.write_timeline(step, step_start)
             self.last_metrics = metrics
             if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
                 self.save_checkpoint(step)
@@ -290,26 +332,29 @@ class RLTrainer:
             logger.warning("could not write the run report: %s: %s", type(error).__name__, error)
         return summary
 
-    def rollout_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
-        """A scored batch of train_batch_size prompts x n samples.
+    def rollout_batch(self, step: int) -> tuple[DataProto, dict[str, float], PendingScores]:
+        """A batch of train_batch_size prompts x n samples, its metrics, and its scores (pending with
+        reward.overlap: `join_scores` adds them to the batch).
 
         With dynamic sampling (DAPO) only groups whose rewards differ are kept, and more prompts are
-        drawn and generated until the batch is full; the reward metrics are those of the first round.
+        drawn and generated until the batch is full (so the scores are needed at once); the reward
+        metrics are those of the first round.
         """
         sampling = self.cfg.algorithm.dynamic_sampling
         if not sampling.enable:
-            return self.generate_and_score(step)
+            return self.generate_and_score(step, overlap=self.cfg.reward.overlap)
         wanted = self.cfg.data.train_batch_size * self.cfg.rollout.n
         kept, first_metrics = [], None
         for attempt in range(1, sampling.max_attempts + 1):
-            batch, metrics = self.generate_and_score(step)
+            batch, metrics, scores = self.generate_and_score(step, overlap=False)
+            metrics.update(self.join_scores(batch, scores))
             first_metrics = first_metrics or metrics
             kept.append(algorithm_steps.keep_informative(batch))
             if sum(len(part) for part in kept) >= wanted:
                 batch = algorithm_steps.concat_rollouts(kept, self.pad_token_id)[:wanted]
                 batch.meta_info["step"] = step
                 return batch, {**first_metrics, "dynamic_sampling/rounds": float(attempt),
-                               "dynamic_sampling/kept_frac": float(len(kept[0]) / wanted)}
+                               "dynamic_sampling/kept_frac": float(len(kept[0]) / wanted)}, PendingScores.joined()
         raise RuntimeError(
             f"dynamic sampling: after {sampling.max_attempts} rollout rounds only "
             f"{sum(len(p) for p in kept) // self.cfg.rollout.n} of {self.cfg.data.train_batch_size} prompts had "
@@ -317,9 +362,35 @@ class RLTrainer:
             "algorithm.dynamic_sampling.max_attempts, raise rollout.n or rollout.temperature, use easier/harder "
             "data, or turn it off with algorithm.dynamic_sampling.enable=false.")
 
-    def generate_and_score(self, step: int) -> tuple[DataProto, dict[str, float]]:
-        """Next prompts -> n samples each -> scores (+ ReMax's greedy baseline, DAPO's overlong shaping)."""
+    def generate_and_score(self, step: int, overlap: bool) -> tuple[DataProto, dict[str, float], PendingScores]:
+        """Next prompts -> n samples each -> their scores, pending in a thread when `overlap`
+        (+ ReMax's greedy baseline, DAPO's overlong shaping)."""
+        cfg = self.cfg
+        if self.ahead is not None and self.ahead.step == step:  # generated while the previous step trained
+            pending, self.ahead = self.ahead, None
+            batch = self.take_generation(pending)
+            self.record_phase("rollout", *pending.span)  # (it ran during the previous step)
+        else:
+            pending = self.start_generation(step)
+            batch = self.take_generation(pending)
+            self.record_phase("rollout", pending.started, time.perf_counter())
+        scores = self.start_scoring(batch, overlap)
+        reward_metrics = {}
+        if cfg.rollout.multi_turn.enable:
+            from rlframe.workers.rollout.agent_loop import agent_metrics
+
+            reward_metrics.update(agent_metrics(batch.non_tensor_batch, batch.batch["response_mask"],
+                                                batch.batch["attention_mask"]))
+        if "baseline_rewards" in batch.meta_info:
+            baseline = batch.meta_info.pop("baseline_rewards")
+            batch.batch["baseline_rewards"] = baseline.repeat_interleave(cfg.rollout.n)
+            reward_metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
+        return batch, reward_metrics, scores
+
+    def start_generation(self, step: int) -> PendingRollout:
+        """Draw the step's prompts and send them to the engines (+ ReMax's greedy baseline, generated here)."""
         cfg, timeouts = self.cfg, self.cfg.trainer.timeouts
+        sampler_state = self.sampler.state_dict()
         batch = self.next_prompts()
         batch.meta_info["step"] = step
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
@@ -333,20 +404,57 @@ class RLTrainer:
         # The engine's next use is the weight load after this step's update (one rollout round, the actor
         # trains this step): on GPU it may discard its weights while it sleeps (vLLM sleep level 2).
         prompts.meta_info["update_follows"] = not cfg.algorithm.dynamic_sampling.enable and step > cfg.trainer.critic_warmup
-        with self.timed("rollout"):
-            batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=timeouts.rollout))
-        with self.timed("reward"):
-            batch, reward_metrics = self.score(batch)
-        reward_metrics.update(algorithm_steps.shape_overlong(batch, cfg))
-        if cfg.rollout.multi_turn.enable:
-            from rlframe.workers.rollout.agent_loop import agent_metrics
-
-            reward_metrics.update(agent_metrics(batch.non_tensor_batch, batch.batch["response_mask"],
-                                                batch.batch["attention_mask"]))
         if baseline is not None:
-            batch.batch["baseline_rewards"] = baseline.repeat_interleave(cfg.rollout.n)
-            reward_metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
-        return batch, reward_metrics
+            batch.meta_info["baseline_rewards"] = baseline
+        started = time.perf_counter()
+        generation = self.actor_rollout.generate_sequences(prompts, _blocking=False, _timeout=timeouts.rollout)
+        return PendingRollout(step, batch, generation, sampler_state, started)
+
+    def take_generation(self, pending: PendingRollout) -> DataProto:
+        """The prompts' rows joined with what the engines generated for them (waits for it)."""
+        if pending.result is None:
+            try:
+                pending.result = pending.generation.result()
+            except WorkerError as error:
+                raise fault.annotate(error, "rollout", pending.step, getattr(self, "workers", None))
+        return pending.batch.union(pending.result)
+
+    def finish_generation_ahead(self) -> None:
+        """Asynchronous loop: wait until the engines have generated the next step's batch (they must be idle
+        before they receive weights). timing/rollout_wait: the driver's wait; the generation's own span
+        (from its start, in the previous step) goes to the next step's timeline as `rollout`."""
+        pending = self.ahead
+        if pending is None or pending.result is not None:
+            return
+        with self.timed("rollout_wait"):
+            try:
+                pending.result = pending.generation.result()
+            except WorkerError as error:
+                raise fault.annotate(error, "rollout", pending.step, getattr(self, "workers", None))
+        generating = pending.result.meta_info.get("timing/generate_rank0", time.perf_counter() - pending.started)
+        pending.span = (pending.started, pending.started + generating)
+
+    def staleness_metrics(self, batch: DataProto) -> dict[str, float]:
+        """async/staleness_{max,mean}: the trainer's version - the version of the weights that generated each sample
+        (recorded by disaggregated engines); with trainer.async_rollout never above trainer.max_staleness."""
+        if "policy_version" not in batch.non_tensor_batch:
+            return {}
+        versions = batch.non_tensor_batch["policy_version"].astype(np.int64)
+        staleness = self.policy_version - versions
+        if int(staleness.max()) > self.async_depth or int(staleness.min()) < 0:
+            raise RuntimeError(f"step {self.step}: samples of policy versions {sorted(set(versions.tolist()))} for a "
+                               f"trainer at version {self.policy_version}: staleness outside [0, {self.async_depth}]")
+        return {"async/staleness_max": float(staleness.max()), "async/staleness_mean": float(staleness.mean()),
+                "async/policy_version": float(self.policy_version), "async/sample_version_min": float(versions.min()),
+                "async/sample_version_max": float(versions.max())}
+
+    def updates_after(self, step: int) -> int:
+        """The actor updates applied after `step` steps (the first trainer.critic_warmup steps update none)."""
+        return max(0, step - self.cfg.trainer.critic_warmup)
+
+    def version_arg(self) -> dict:
+        """Disaggregated engines record the version of the weights they receive."""
+        return {"policy_version": self.policy_version} if isinstance(self.actor_rollout, DisaggregatedActorRollout) else {}
 
     def greedy_baseline(self, batch: DataProto, prompts: DataProto) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, [B]."""
@@ -368,6 +476,48 @@ class RLTrainer:
         return batch
 
     # ------------------------------------------------------------------ rewards
+    def start_scoring(self, batch: DataProto, overlap: bool) -> PendingScores:
+        """Score `batch` (its rows in their present order): in the scoring thread when `overlap`,
+        else here and now. The scoring works on a shallow copy: `batch` is not changed."""
+        start = time.perf_counter()
+        scored, texts = batch.select(), self.decode_responses(batch)
+
+        def score() -> tuple[DataProto, dict[str, float], float, float]:
+            scored_batch, metrics = self.score(scored, texts)
+            metrics.update(algorithm_steps.shape_overlong(scored_batch, self.cfg))
+            return scored_batch, metrics, start, time.perf_counter()
+
+        if overlap:
+            return PendingScores(self.scoring_thread.submit(score), batch, sequential=False)
+        done: Future = Future()
+        try:
+            done.set_result(score())
+        except WorkerError as error:  # the reward model's worker failed
+            raise fault.annotate(error, "reward", self.step, getattr(self, "workers", None))
+        return PendingScores(done, batch, sequential=True)
+
+    def join_scores(self, batch: DataProto, scores: PendingScores) -> dict[str, float]:
+        """Wait for the scores and add their columns (token_level_scores, ...) to `batch`; the reward metrics.
+
+        timing/reward: the scoring's own seconds; timing/reward_wait_s: how long the driver blocked here
+        (with reward.overlap=false: the whole scoring, which ran before the log-prob passes).
+        """
+        if scores.future is None:  # joined already (dynamic sampling)
+            return {}
+        wait_start = time.perf_counter()
+        try:
+            scored, metrics, start, end = scores.future.result()
+        except WorkerError as error:  # the reward model's worker failed
+            raise fault.annotate(error, "reward", self.step, getattr(self, "workers", None))
+        waited = end - start if scores.sequential else time.perf_counter() - wait_start
+        self.record_phase("reward", start, end)
+        columns = scored.select(batch_keys=scores.new_keys, non_tensor_keys=[], meta_info_keys=[])
+        if scores.order is not None:
+            columns.reorder(scores.order)
+        batch.union(columns)
+        scores.future = None
+        return {**metrics, "timing/reward_wait_s": waited}
+
     def decode_responses(self, batch: DataProto) -> list[str]:
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
         # up to the last trained token: multi-turn responses hold tool tokens (mask 0) between model turns
@@ -392,9 +542,10 @@ class RLTrainer:
             metrics["reward/rm_score_mean"] = float(rm_scores.mean())
         return result, scores, metrics
 
-    def score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+    def score(self, batch: DataProto, texts: list[str] | None = None) -> tuple[DataProto, dict[str, float]]:
         """token_level_scores: the score (rule-based + RM) on each response's last token."""
-        result, scores, metrics = self.rule_and_model_scores(batch, self.decode_responses(batch))
+        texts = self.decode_responses(batch) if texts is None else texts
+        result, scores, metrics = self.rule_and_model_scores(batch, texts)
         batch.batch["token_level_scores"] = place_scores_on_last_token(scores, batch.batch["response_mask"])
         nt = batch.non_tensor_batch
         if self.cfg.rollout.multi_turn.turn_rewards == "per_turn" and "agent_turn_reward_positions" in nt:
@@ -452,18 +603,60 @@ class RLTrainer:
         self.tracker.log_samples(self.step, kind, rows)
 
     def close(self) -> None:
+        self.scoring_thread.shutdown(wait=True, cancel_futures=True)  # before its reward workers stop
         self.rewards.close()
         self.tracker.close()
         self.workers.shutdown()
 
 
-def balance_across_ranks(batch: DataProto, world_size: int) -> DataProto:
-    """Reorder rows so each rank's contiguous chunk holds a near-equal number of tokens."""
+class PendingRollout:
+    """One step's generation in flight: the prompts' rows, the engines' Future, the sampler's state before
+    the prompts were drawn (what a checkpoint saves while it is in flight), when it started."""
+
+    def __init__(self, step: int, batch: DataProto, generation, sampler_state: dict, started: float):
+        self.step, self.batch, self.generation = step, batch, generation
+        self.sampler_state, self.started = sampler_state, started
+        self.result: DataProto | None = None
+        self.span: tuple[float, float] | None = None  # (start, end) of the generation, when run ahead
+
+
+class PendingScores:
+    """The scores of one batch: a Future of (scored copy, metrics, start, end), from the scoring
+    thread or already set (`sequential`). `reorder` records a reordering of the batch's rows made
+    after the scoring started, so that `RLTrainer.join_scores` puts each score on its row."""
+
+    def __init__(self, future: Future | None, batch: DataProto | None = None, sequential: bool = True):
+        self.future, self.sequential = future, sequential
+        self.old_keys = set(batch.batch.keys()) if batch is not None else set()
+        self.order: list[int] | None = None
+
+    @classmethod
+    def joined(cls) -> PendingScores:
+        return cls(None)
+
+    @property
+    def new_keys(self) -> list[str]:
+        """The columns the scoring added (token_level_scores, outcome_scores with overlong shaping)."""
+        scored = self.future.result()[0]
+        return [key for key in scored.batch.keys() if key not in self.old_keys]
+
+    def reorder(self, order: list[int]) -> None:
+        self.order = list(order) if self.order is None else [self.order[i] for i in order]
+
+
+def balanced_order(batch: DataProto, world_size: int) -> list[int] | None:
+    """A row order that gives each rank's contiguous chunk a near-equal number of tokens (None: keep)."""
     if world_size == 1 or len(batch) % world_size:
-        return batch
+        return None
     lengths = batch.batch["attention_mask"].sum(-1).tolist()
     groups = balanced_equal_size_partition(lengths, world_size)
-    return batch.reorder([i for group in groups for i in group])
+    return [i for group in groups for i in group]
+
+
+def balance_across_ranks(batch: DataProto, world_size: int) -> DataProto:
+    """Reorder rows so each rank's contiguous chunk holds a near-equal number of tokens."""
+    order = balanced_order(batch, world_size)
+    return batch if order is None else batch.reorder(order)
 
 
 def batch_metrics(batch: DataProto) -> dict[str, float]:

@@ -7,7 +7,7 @@ the config itself.
 
 from __future__ import annotations
 
-from rlframe.config import OptimConfig, RLConfig, policy_loss_options
+from rlframe.config import OptimConfig, RLConfig, off_policy_correction, policy_loss_options
 from rlframe.workers.settings import (ActorSettings, CriticSettings, DeepSpeedSettings, DeviceRequest, EngineSettings,
                                      ForwardSettings, LoraSettings, MegatronSettings, OptimSettings, PolicyLossSettings,
                                      RefSettings,
@@ -113,7 +113,8 @@ def policy_loss_settings(cfg: RLConfig) -> PolicyLossSettings:
         clip_ratio_high=options["clip_ratio_high"], clip_ratio_c=options["clip_ratio_c"],
         entropy_coeff=actor.entropy_coeff, use_kl_loss=algo.use_kl_loss,
         kl_loss_coef=algo.kl_loss_coef, kl_loss_type=algo.kl_loss_type,
-        custom_loss_path=algo.custom_policy_loss.path, custom_loss_name=algo.custom_policy_loss.name)
+        custom_loss_path=algo.custom_policy_loss.path, custom_loss_name=algo.custom_policy_loss.name,
+        tis_cap=algo.tis_cap if off_policy_correction(cfg) == "tis" else None)
 
 
 def log_prob_settings(cfg: RLConfig) -> ForwardSettings:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import ray
 
 from rlframe.controller import Dispatch, register
@@ -36,14 +37,18 @@ class RolloutWorker:
         self.rollout = build_rollout_engine(settings, self.profile, _rank(), shares_devices=False)
         self.rollout_engine = self.profile.rollout_engine
         self.receiver: WeightReceiver | None = None
+        self.policy_version = 0  # the actor updates behind the weights held (0: the initial model)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """As the colocated actor generates: same sampling settings, same per-step seeds."""
+        """As the colocated actor generates: same sampling settings, same per-step seeds. Each sample
+        records `policy_version`, the version of the weights that generated it."""
         def generate(batch: DataProto) -> DataProto:
             return generate_sequences(self.rollout, self.settings, batch, _rank())
 
-        return generate(prompts) if self.tp is None else self.tp.generate(prompts, generate)
+        out = generate(prompts) if self.tp is None else self.tp.generate(prompts, generate)
+        out.non_tensor_batch["policy_version"] = np.full(len(out), self.policy_version, dtype=np.int64)
+        return out
 
     @register(Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:
@@ -60,8 +65,11 @@ class RolloutWorker:
                                        bucket_bytes=bucket_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_weights(self) -> dict:
+    def receive_weights(self, policy_version: int | None = None) -> dict:
+        """Load the broadcast weights; `policy_version`: theirs (the actor updates behind them), when known."""
         start = time.perf_counter()
         # HF copies bucket by bucket; vLLM reloads (and repacks) the whole model in one call.
         stats = self.receiver.receive(self.rollout.load_weights, per_bucket=self.rollout_engine != "vllm")
+        if policy_version is not None:
+            self.policy_version = int(policy_version)
         return {**stats, "seconds": time.perf_counter() - start}
