@@ -207,7 +207,7 @@ def update(actor, batch, out_dir):
             forward.batch["entropy"] * mask)
 
 
-def assert_same_as_fsdp(reference, ours, weight_atol=1e-5):
+def assert_same_as_fsdp(reference, ours, weight_atol=1e-5, start: dict | None = None):
     """log-probs and entropy atol 1e-5 / rtol 1e-4; losses and grad norm rel 1e-4; updated weights rtol 1e-4,
     atol `weight_atol`. (Under TP the row-parallel matmuls sum in another order; Adam's first step,
     lr * m / sqrt(v), turns that into up to ~1e-5 on the rare elements whose gradient is ~0: 1% of the
@@ -219,7 +219,7 @@ def assert_same_as_fsdp(reference, ours, weight_atol=1e-5):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     assert m1["actor/grad_norm"] > 0
     assert w1.keys() == w2.keys()
-    start = load_tiny_weights()
+    start = load_tiny_weights() if start is None else start
     for name in w1:
         assert not torch.equal(w1[name], start[name]), f"{name} did not move"
         torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=weight_atol, msg=lambda m: f"{name}: {m}")

@@ -11,8 +11,9 @@ back under HF names from both stages) atol 1e-5 / rtol 1e-4 (2e-5 with TP=2).
   update (the last stage's LM head copy moved exactly as the first stage's embedding: they stay tied);
   then save, update, load, update again gives the same update, and the checkpoint resumes at PP=1;
 - PP=2 with 1 micro-batch: the same update (1 vs 4 micro-batches through the pipeline);
-- TP=2 x PP=2 on 4 ranks (slow), the critic at PP=2 (slow), and `rlframe.main` end to end at PP=2 with
-  the disaggregated weight broadcast (slow).
+- TP=2 x PP=2 on 4 ranks (slow), PP=2 x DP=2 (slow), the critic at PP=2 (slow), a 4-layer untied Llama
+  at PP=2 (2 layers per stage, the LM head its own weight; slow), and `rlframe.main` end to end at PP=2
+  with the disaggregated weight broadcast (slow).
 """
 
 from __future__ import annotations
@@ -138,3 +139,28 @@ def test_grpo_two_steps_on_megatron_pp2(tmp_path, tiny_model_dir):
     by the bucketed broadcast (its plan: the model's weight view, every stage's tensors): the log-prob
     agreement on every step shows the engine holds both stages' trained weights; the checkpoint exports."""
     grpo_two_steps(tmp_path, tiny_model_dir, "disaggregated", tp=1, pp=2)
+
+
+@pytest.mark.slow
+def test_four_layer_untied_pp2_equals_fsdp(ray_session, tmp_path_factory, tmp_path):
+    """4 layers, untied LM head: stage 1 numbers global layers 2, 3 as its local 0, 1, and holds lm_head."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers_tokenizer import build_tokenizer
+
+    model_dir = tmp_path_factory.mktemp("four_layer_llama")
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(model_dir)
+    start = load_file(str(model_dir / "model.safetensors"))
+    assert "lm_head.weight" in start
+    reference = update(plain_actor(actor_config(model_dir, 1, 8, strategy="fsdp"), model_dir), tiny_batch(model_dir),
+                       tmp_path / "fsdp")
+    first, _, _ = pp_update(model_dir, tmp_path, world_size=2, micro=2)
+    assert_same_as_fsdp(reference, first, start=start)
