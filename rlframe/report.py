@@ -35,6 +35,14 @@ CHARTS: list[tuple[str, list[tuple[str, str, bool]]]] = [
     ("Throughput (tokens/s)", [("perf/generated_tokens_per_s", "generation", False),
                                ("perf/actor_train_tokens_per_s", "actor update", False)]),
     ("Model FLOPs utilisation", [("perf/mfu", "MFU", False)]),
+    ("Peak memory per phase (GiB; device on GPU, RSS on CPU)",
+     [("perf/peak_mem_gib/generate_sequences", "generation", False),
+      ("perf/peak_mem_gib/compute_log_prob", "old log-probs", False),
+      ("perf/peak_mem_gib/compute_ref_log_prob", "reference log-probs", False),
+      ("perf/peak_mem_gib/compute_values", "values", False),
+      ("perf/peak_mem_gib/update_critic", "critic update", False),
+      ("perf/peak_mem_gib/update_actor", "actor update", False),
+      ("perf/peak_mem_gib/sync_weights", "weight sync", False)]),
 ]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
 WIDTH, HEIGHT, PAD_L, PAD_R, PAD_T, PAD_B = 520, 260, 62, 16, 28, 40
