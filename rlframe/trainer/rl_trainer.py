@@ -381,10 +381,9 @@ class RLTrainer:
 
             reward_metrics.update(agent_metrics(batch.non_tensor_batch, batch.batch["response_mask"],
                                                 batch.batch["attention_mask"]))
-        if "baseline_rewards" in batch.meta_info:
-            baseline = batch.meta_info.pop("baseline_rewards")
-            batch.batch["baseline_rewards"] = baseline.repeat_interleave(cfg.rollout.n)
-            reward_metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
+        if pending.baseline is not None:
+            batch.batch["baseline_rewards"] = pending.baseline.repeat_interleave(cfg.rollout.n)
+            reward_metrics["reward/greedy_baseline_mean"] = float(pending.baseline.mean())
         return batch, reward_metrics, scores
 
     def start_generation(self, step: int) -> PendingRollout:
@@ -404,11 +403,9 @@ class RLTrainer:
         # The engine's next use is the weight load after this step's update (one rollout round, the actor
         # trains this step): on GPU it may discard its weights while it sleeps (vLLM sleep level 2).
         prompts.meta_info["update_follows"] = not cfg.algorithm.dynamic_sampling.enable and step > cfg.trainer.critic_warmup
-        if baseline is not None:
-            batch.meta_info["baseline_rewards"] = baseline
         started = time.perf_counter()
         generation = self.actor_rollout.generate_sequences(prompts, _blocking=False, _timeout=timeouts.rollout)
-        return PendingRollout(step, batch, generation, sampler_state, started)
+        return PendingRollout(step, batch, generation, sampler_state, started, baseline)
 
     def take_generation(self, pending: PendingRollout) -> DataProto:
         """The prompts' rows joined with what the engines generated for them (waits for it)."""
@@ -611,11 +608,13 @@ class RLTrainer:
 
 class PendingRollout:
     """One step's generation in flight: the prompts' rows, the engines' Future, the sampler's state before
-    the prompts were drawn (what a checkpoint saves while it is in flight), when it started."""
+    the prompts were drawn (what a checkpoint saves while it is in flight), when it started, and ReMax's
+    greedy baseline [B] (None for other estimators)."""
 
-    def __init__(self, step: int, batch: DataProto, generation, sampler_state: dict, started: float):
+    def __init__(self, step: int, batch: DataProto, generation, sampler_state: dict, started: float,
+                 baseline: torch.Tensor | None = None):
         self.step, self.batch, self.generation = step, batch, generation
-        self.sampler_state, self.started = sampler_state, started
+        self.sampler_state, self.started, self.baseline = sampler_state, started, baseline
         self.result: DataProto | None = None
         self.span: tuple[float, float] | None = None  # (start, end) of the generation, when run ahead
 
