@@ -23,13 +23,15 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from test_megatron import (actor_config, assert_same_as_fsdp, assert_same_critic_update, assert_same_weights,  # noqa: E402,F401
-                           critic_batch, critic_settings_for, fsdp_critic_reference, fsdp_reference,
-                           grpo_two_steps, opposite_advantages, plain_actor, start_actor, tiny_batch, update)
+from test_megatron import (actor_config, assert_same_as_fsdp, assert_same_critic_update,  # noqa: E402
+                           assert_same_weights, critic_batch, critic_settings_for, grpo_two_steps,
+                           opposite_advantages, plain_actor, start_actor, tiny_batch, update)
+# test_megatron's module fixtures (FSDP references), reached by name through `request.getfixturevalue`
+from test_megatron import fsdp_critic_reference, fsdp_reference  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
-def fsdp_after_update(tiny_model_dir, fsdp_reference):
+def fsdp_after_update(tiny_model_dir):
     """The FSDP engine's log-probs after its one update (fsdp_reference's): what a tied LM head gives."""
     actor = plain_actor(actor_config(tiny_model_dir, 1, 8, strategy="fsdp"), tiny_model_dir)
     batch = tiny_batch(tiny_model_dir)
@@ -62,7 +64,7 @@ def pp_update(tiny_model_dir, tmp_path, world_size: int, micro: int, tp: int = 1
     return first, after, extra
 
 
-def test_pp2_update_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_dir, tmp_path, fsdp_reference,
+def test_pp2_update_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_dir, tmp_path, request,
                                                       fsdp_after_update):
     """PP=2 on 2 ranks, 4 micro-batches through the pipeline: FSDP's log-probs, update and post-update
     log-probs (tied head kept tied); the checkpoint resumes at PP=2 and at PP=1 (another layout)."""
@@ -70,7 +72,7 @@ def test_pp2_update_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_d
 
     checkpoint = tmp_path / "checkpoint"
     first, after, extra = pp_update(tiny_model_dir, tmp_path, world_size=2, micro=2, checkpoint=checkpoint)
-    assert_same_as_fsdp(fsdp_reference, first)
+    assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), first)
     torch.testing.assert_close(after, fsdp_after_update, rtol=1e-4, atol=1e-5)
     continued, resumed = extra["continued"], extra["resumed"]
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
@@ -88,29 +90,29 @@ def test_pp2_update_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_d
 
 
 @pytest.mark.slow  # (~30 s; the 4-micro-batch test above runs in CI)
-def test_pp2_one_micro_batch_equals_fsdp(ray_session, tiny_model_dir, tmp_path, fsdp_reference):
+def test_pp2_one_micro_batch_equals_fsdp(ray_session, tiny_model_dir, tmp_path, request):
     """1 micro-batch through the pipeline (no steady 1F1B phase): the same update as 4 micro-batches and FSDP."""
     first, _, _ = pp_update(tiny_model_dir, tmp_path, world_size=2, micro=8)
-    assert_same_as_fsdp(fsdp_reference, first)
+    assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), first)
 
 
 @pytest.mark.slow
-def test_tp2_pp2_four_ranks_equals_fsdp(ray_session, tiny_model_dir, tmp_path, fsdp_reference, fsdp_after_update):
+def test_tp2_pp2_four_ranks_equals_fsdp(ray_session, tiny_model_dir, tmp_path, request, fsdp_after_update):
     """TP=2 x PP=2 on 4 ranks (one model replica): TP shards on each stage, the pipeline between them."""
     first, after, _ = pp_update(tiny_model_dir, tmp_path, world_size=4, micro=2, tp=2)
-    assert_same_as_fsdp(fsdp_reference, first, weight_atol=2e-5)
+    assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), first, weight_atol=2e-5)
     torch.testing.assert_close(after, fsdp_after_update, rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.slow
-def test_pp2_with_data_parallel_equals_fsdp(ray_session, tiny_model_dir, tmp_path, fsdp_reference):
+def test_pp2_with_data_parallel_equals_fsdp(ray_session, tiny_model_dir, tmp_path, request):
     """PP=2 x DP=2 on 4 ranks: two pipelines, gradients summed over the data-parallel group."""
     first, _, _ = pp_update(tiny_model_dir, tmp_path, world_size=4, micro=2)
-    assert_same_as_fsdp(fsdp_reference, first)
+    assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), first)
 
 
 @pytest.mark.slow
-def test_critic_pp2_equals_fsdp(ray_session, tiny_model_dir, tmp_path, fsdp_critic_reference):
+def test_critic_pp2_equals_fsdp(ray_session, tiny_model_dir, tmp_path, request):
     """The value head on the last stage, the body over 2 stages, 2 micro-batches; then a checkpoint round trip."""
     from rlframe.controller import ResourcePool, WorkerGroup
     from rlframe.workers.roles.critic import CriticWorker
@@ -121,7 +123,8 @@ def test_critic_pp2_equals_fsdp(ray_session, tiny_model_dir, tmp_path, fsdp_crit
     try:
         critic = group.role("critic")
         metrics = critic.update_critic(critic_batch()).meta_info["metrics"]
-        assert_same_critic_update(fsdp_critic_reference, metrics, critic.compute_values(critic_batch()).batch["values"])
+        values = critic.compute_values(critic_batch()).batch["values"]
+        assert_same_critic_update(request.getfixturevalue("fsdp_critic_reference"), metrics, values)
         critic.save_checkpoint(str(tmp_path / "critic"))
         continued = critic.update_critic(critic_batch()).meta_info["metrics"]
         critic.load_checkpoint(str(tmp_path / "critic"))
