@@ -35,8 +35,10 @@ def main() -> None:
     run_dir = workdir / "run"
     cmd = [sys.executable, "-m", "rlframe.main", f"recipe={args.recipe}", f"trainer.run_dir={run_dir}", *args.overrides]
     start = time.perf_counter()
-    peak = run_measured(cmd, REPO_ROOT, workdir / "main_job.log")
+    code, peak = run_measured(cmd, REPO_ROOT, workdir / "main_job.log")
     wall = time.perf_counter() - start
+    if code != 0:
+        sys.exit(f"the main job exited {code}; see {workdir / 'main_job.log'}")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     vals = [m for m in metrics if "val/reward_mean" in m]
     print(f"wall clock: {wall:.0f} s ({wall / 60:.1f} min); peak RSS of all processes: {peak:.2f} GiB")
