@@ -44,6 +44,10 @@ def main() -> None:
     print(f"wall clock: {wall:.0f} s ({wall / 60:.1f} min); peak RSS of all processes: {peak:.2f} GiB")
     for m in vals:
         print(f"step {m['step']:>3}: val/reward_mean={m['val/reward_mean']:.3f} val/accuracy={m['val/accuracy']:.3f}")
+    phases = sorted({k for m in metrics for k in m if k.startswith("perf/peak_mem_gib/")})
+    if phases:
+        print("worker peak memory per phase, largest over the steps (GiB): " + ", ".join(
+            f"{k.removeprefix('perf/peak_mem_gib/')} {max(m.get(k, 0.0) for m in metrics):.2f}" for k in phases))
     print(f"log: {workdir / 'main_job.log'}; run: {run_dir}")
 
 
