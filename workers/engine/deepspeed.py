@@ -434,6 +434,7 @@ def _through_engine(ds_engine):
 
     call = _Call()
     call.forward = forward
+    call.config = ds_engine.module.config  # hf_model reads the model's config (e.g. is it vision-language)
     return call
 
 

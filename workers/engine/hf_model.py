@@ -149,7 +149,7 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     """
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
-    if multi_modal_inputs is not None or getattr(model.config, "vision_config", None) is not None:
+    if multi_modal_inputs is not None or getattr(getattr(model, "config", None), "vision_config", None) is not None:
         if multi_modal_inputs is None:  # a vision-language model on text rows: still 3-D (or 4-row packed) positions
             multi_modal_inputs = [None] * input_ids.size(0)
         return _multimodal_response_log_probs(model, input_ids, attention_mask, position_ids, response_width,
