@@ -3,6 +3,7 @@
     python examples/benchmark/scaling.py                     # all three sweeps, 3 steps per point
     python examples/benchmark/scaling.py --sweep batch       # one sweep: batch | length | world
     python examples/benchmark/scaling.py --steps 2 --engine hf
+    python examples/benchmark/scaling.py --batch-sizes 4,8,16     # a shorter batch sweep
 
 Sweeps (recipe grpo_math, the embedded default model, 8 samples per prompt unless said):
   batch:  4, 8, 16, 32 prompts x 8 samples, responses <= 48 tokens
@@ -27,16 +28,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_vs_trl import REPO_ROOT, run_measured  # noqa: E402
 
-SWEEPS = {
-    "batch": [{"data.train_batch_size": p, "actor.ppo_mini_batch_size": p} for p in (4, 8, 16, 32)],
-    "length": [{"data.max_response_length": length} for length in (48, 128, 256)],
-    "world": [{"actor.world_size": w} for w in (1, 2)],
-}
+BASE = {"rollout.n": 8, "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4, "data.max_response_length": 48,
+        "actor.world_size": 1}
+
+
+def sweeps(batch_sizes: list[int]) -> dict[str, list[dict]]:
+    return {"batch": [{"data.train_batch_size": p, "actor.ppo_mini_batch_size": p} for p in batch_sizes],
+            "length": [{"data.max_response_length": length} for length in (48, 128, 256)],
+            "world": [{"actor.world_size": w} for w in (1, 2)]}
 
 
 def run_point(overrides: dict, args, run_dir: Path) -> dict:
-    settings = {"rollout.n": 8, "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4,
-                "data.max_response_length": 48, **overrides}
+    settings = {**BASE, **overrides}
     cmd = [sys.executable, "-m", "rlframe.main", "recipe=grpo_math", f"trainer.run_dir={run_dir}",
            f"trainer.total_steps={args.steps}", f"rollout.engine={args.engine}", "trainer.val_before_train=false",
            "trainer.val_at_end=false", "trainer.export_hf=false", *[f"{k}={v}" for k, v in settings.items()]]
@@ -72,21 +75,26 @@ def print_sweep(name: str, points: list[dict], results: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", choices=[*SWEEPS, "all"], default="all")
+    parser.add_argument("--sweep", choices=["batch", "length", "world", "all"], default="all")
+    parser.add_argument("--batch-sizes", default="4,8,16,32", help="prompts per step in the batch sweep")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--engine", default="auto", help="rollout.engine: auto | vllm | hf")
     parser.add_argument("--workdir")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlframe_scaling_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    summary = {}
-    for name in SWEEPS if args.sweep == "all" else [args.sweep]:
+    chosen = sweeps([int(p) for p in args.batch_sizes.split(",")])
+    summary, done = {}, {}  # done: one run per distinct configuration (the sweeps share their first point)
+    for name in chosen if args.sweep == "all" else [args.sweep]:
         results = []
-        for i, overrides in enumerate(SWEEPS[name]):
-            print(f"{name} point {i + 1}/{len(SWEEPS[name])}: {overrides}", flush=True)
-            results.append(run_point(overrides, args, workdir / f"{name}_{i}"))
-        print_sweep(name, SWEEPS[name], results)
-        summary[name] = [{"overrides": o, **r} for o, r in zip(SWEEPS[name], results)]
+        for i, overrides in enumerate(chosen[name]):
+            key = tuple(sorted({**BASE, **overrides}.items()))
+            if key not in done:
+                print(f"{name} point {i + 1}/{len(chosen[name])}: {overrides}", flush=True)
+                done[key] = run_point(overrides, args, workdir / f"{name}_{i}")
+            results.append(done[key])
+        print_sweep(name, chosen[name], results)
+        summary[name] = [{"overrides": o, **r} for o, r in zip(chosen[name], results)]
     (workdir / "scaling.json").write_text(json.dumps(summary, indent=2))
     print(f"\nlogs and results: {workdir}")
 
