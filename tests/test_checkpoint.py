@@ -68,8 +68,12 @@ def test_no_manifest_means_incomplete(tmp_path):
 def test_trim_metrics_log(tmp_path):
     lines = [{"step": s, "x": s} for s in (0, 1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    timeline = [{"step": s, "phase": "rollout", "start": 0.0, "end": 1.0} for s in (1, 2, 3, 3)]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(x) + "\n" for x in timeline) + '{"step": 4, "ph')
     assert ckpt.trim_metrics_log(tmp_path, 2) == 1
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    # the phase timeline too, and a last line a crash cut short
+    assert [json.loads(x)["step"] for x in (tmp_path / "timeline.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_rng_state_round_trip_through_json():

@@ -177,21 +177,33 @@ def read_driver_state(path: Path) -> dict:
 # ------------------------------------------------------------------ metrics
 
 
-def trim_metrics_log(run_dir: Path, step: int) -> int:
-    """Drop metrics.jsonl lines of steps after `step` (logged by a run that died before saving them).
+STEP_LOGS = ("metrics.jsonl", "timeline.jsonl")  # one JSON object per line, each with its "step"
 
-    The resumed run logs those steps again, so the file ends up with each step once. Returns the
-    number of lines dropped.
-    """
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
+
+def trim_metrics_log(run_dir: Path, step: int) -> int:
+    """Drop the lines of metrics.jsonl and timeline.jsonl of steps after `step` (logged by a run that died
+    before saving them), and a last line cut by the crash. The resumed run logs those steps again, so
+    each file ends up with each step once. Returns the number of metrics.jsonl lines dropped."""
+    dropped = {}
+    for name in STEP_LOGS:
+        path = Path(run_dir) / name
+        if not path.exists():
+            continue
+        lines = path.read_text().splitlines()
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        dropped[name] = len(lines) - len(kept)
+    return dropped.get("metrics.jsonl", 0)
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one log line; None for a blank line or one a crash cut short."""
+    try:
+        return int(json.loads(line).get("step", 0)) if line.strip() else None
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------ helpers
