@@ -278,7 +278,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.4
     cpu_kv_cache_gib: int = 1
     enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True  # GPU only: CPU generators cannot rewind after a partial prefill
     max_num_batched_tokens: int = 4096
     enable_sleep_mode: bool = True  # GPU only: free engine memory while the trainer trains
     enforce_eager: bool = True

@@ -111,6 +111,12 @@ class VLLMRollout:
         self.profile = profile
         self.pad_token_id = pad_token_id
         self.sleep_enabled = enable_sleep_mode and profile.sleep_mode
+        if enable_chunked_prefill and not profile.is_gpu:
+            # After a partial (chunked) prefill vLLM rewinds the request's seeded generator
+            # (gpu_model_runner._bookkeeping_sync: gen.set_offset), which a CPU generator refuses
+            # ("CPU Generator does not use offset"): with per-sample seeds, a batch whose prompts
+            # exceed max_num_batched_tokens crashed. On CPU the scheduler takes whole prompts only.
+            enable_chunked_prefill = False
         kwargs = dict(
             model=model_path, dtype=str(profile.dtype).removeprefix("torch."), seed=seed,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
