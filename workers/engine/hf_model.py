@@ -135,6 +135,23 @@ def _logits_at(model: nn.Module, keep: int | torch.Tensor, **inputs) -> torch.Te
     return logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]
 
 
+def _response_scores(response_logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                     response_width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of `targets` under `response_logits / temperature`, zero-padded on the
+    right to `response_width` columns (the trimmed padding columns shared by all rows)."""
+    from rlframe.algos import entropy_from_logits, log_probs_from_logits
+
+    if temperature != 1.0:
+        response_logits = response_logits / temperature
+    log_probs = log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)
+    entropy = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
+    pad = response_width - targets.size(1)
+    if pad:
+        log_probs = torch.nn.functional.pad(log_probs, (0, pad))
+        entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
+    return log_probs, entropy
+
+
 def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                position_ids: torch.Tensor, response_width: int, temperature: float = 1.0,
                                with_entropy: bool = False, packed: bool = False,
@@ -147,8 +164,6 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     runs only on the positions that predict a response token. `sp` (packed only): Ulysses sequence
     parallelism; every rank of the group passes the same micro-batch and gets the same result.
     """
-    from rlframe.algos import entropy_from_logits, log_probs_from_logits
-
     if multi_modal_inputs is not None or getattr(getattr(model, "config", None), "vision_config", None) is not None:
         if multi_modal_inputs is None:  # a vision-language model on text rows: still 3-D (or 4-row packed) positions
             multi_modal_inputs = [None] * input_ids.size(0)
@@ -167,16 +182,8 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     response_logits = _logits_at(model, kept_response + 1, input_ids=input_ids[:, start:end],
                                  attention_mask=attention_mask[:, start:end],
                                  position_ids=position_ids[:, start:end])[:, :-1]
-    if temperature != 1.0:
-        response_logits = response_logits / temperature
-    targets = input_ids[:, prompt_width:end]
-    log_probs = log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)
-    entropy = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
-    pad = response_width - kept_response
-    if pad:
-        log_probs = torch.nn.functional.pad(log_probs, (0, pad))
-        entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
-    return log_probs, entropy
+    return _response_scores(response_logits, input_ids[:, prompt_width:end], temperature, with_entropy,
+                            response_width)
 
 
 def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -370,13 +377,5 @@ def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, at
     response_logits = _logits_at(model, kept_response + 1, input_ids=input_ids[:, start:end],
                                  attention_mask=attention_mask[:, start:end], position_ids=positions[:, :, start:end],
                                  **pixel_inputs)[:, :-1]
-    if temperature != 1.0:
-        response_logits = response_logits / temperature
-    targets = input_ids[:, prompt_width:end]
-    log_probs = log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)
-    entropy = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
-    pad = response_width - kept_response
-    if pad:
-        log_probs = torch.nn.functional.pad(log_probs, (0, pad))
-        entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
-    return log_probs, entropy
+    return _response_scores(response_logits, input_ids[:, prompt_width:end], temperature, with_entropy,
+                            response_width)
