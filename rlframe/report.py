@@ -66,6 +66,15 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
     return dict(sorted(steps.items()))
 
 
+def read_timeline(run_dir: Path) -> dict[int, dict[str, tuple[float, float]]]:
+    """timeline.jsonl -> {step: {phase: (start, end)}}, seconds from the step's start."""
+    steps: dict[int, dict[str, tuple[float, float]]] = {}
+    for line in (Path(run_dir) / "timeline.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], {})[row["phase"]] = (row["start"], row["end"])
+    return steps
+
+
 def series(steps: dict[int, dict[str, float]], key: str) -> list[tuple[float, float]]:
     return [(step, m[key]) for step, m in steps.items() if key in m and math.isfinite(m[key])]
 

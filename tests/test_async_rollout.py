@@ -11,7 +11,6 @@ configuration refusals. Slow (real runs: Ray, gloo, a disaggregated HF engine, t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -21,6 +20,7 @@ import torch
 from rlframe.algos import agg_loss, get_policy_loss, policy_loss_config
 from rlframe.algos.off_policy import truncated_is_weights
 from rlframe.config import ConfigError, RLConfig, off_policy_correction, validate_config
+from rlframe.report import read_timeline
 
 OLD = torch.tensor([[-1.0, -0.5, -2.0, -0.7]])
 ROLLOUT = torch.tensor([[-1.2, -0.5, -3.0, -0.1]])
@@ -118,14 +118,6 @@ RUN = ["trainer.total_steps=3", "rollout.engine=hf", "trainer.placement=disaggre
        "trainer.val_before_train=false", "trainer.val_at_end=false", "trainer.export_hf=false", "trainer.num_cpus=2"]
 
 
-def _timeline(run_dir) -> dict[int, dict[str, tuple[float, float]]]:
-    steps: dict[int, dict[str, tuple[float, float]]] = {}
-    for line in (run_dir / "timeline.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        steps.setdefault(row["step"], {})[row["phase"]] = (row["start"], row["end"])
-    return steps
-
-
 def _values(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(("timing/", "perf/", "time/"))
             and "seconds" not in k}
@@ -167,7 +159,7 @@ def test_async_one_step_off_policy(tmp_path, tiny_model_dir):
     assert all(m["rollout/logprob_abs_diff"] > 1e-3 for m in metrics[1:])
     # Step k+1's generation ran while step k updated: it started before step k's update ended, and the driver
     # waited for it (rollout_wait) only after that update; then the weights went to the engines.
-    timeline = _timeline(run_dir)
+    timeline = read_timeline(run_dir)
     for k in (1, 2):
         this, generation = timeline[k], timeline[k + 1]["rollout"]
         assert this["step"][0] < generation[0] < this["update"][1] <= this["rollout_wait"][0]

@@ -11,12 +11,13 @@ and the scores, failures, advantages and losses are identical.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 from conftest import read_metrics, run_tiny
+
+from rlframe.report import read_timeline
 
 SLOW_REWARD = os.path.join(os.path.dirname(__file__), "reward_fns", "slow_length.py")
 COMMON = [f"reward.functions=[{{path: {SLOW_REWARD}}}]", "rollout.engine=hf", "actor.skip_old_log_prob_when_on_policy=false",
@@ -24,14 +25,6 @@ COMMON = [f"reward.functions=[{{path: {SLOW_REWARD}}}]", "rollout.engine=hf", "a
 SAME = ("critic/score/mean", "reward/score_mean", "reward/failures", "reward/timeouts", "critic/accuracy",
         "critic/advantages/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")
 LOG_PROB_PHASES = ("old_log_prob", "ref_log_prob")
-
-
-def _timeline(run_dir) -> dict[int, dict[str, tuple[float, float]]]:
-    steps: dict[int, dict[str, tuple[float, float]]] = {}
-    for line in (run_dir / "timeline.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        steps.setdefault(row["step"], {})[row["phase"]] = (row["start"], row["end"])
-    return steps
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -51,14 +44,14 @@ def test_reward_overlap_saves_the_overlapped_time_and_changes_no_number(tmp_path
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert sum(m["reward/failures"] for m in off) > 0  # the failure accounting was exercised
 
-    for step, phases in _timeline(off_dir).items():
+    for step, phases in read_timeline(off_dir).items():
         metrics = off[step - 1]
         reward = phases["reward"]
         assert reward[1] <= min(phases[p][0] for p in LOG_PROB_PHASES)  # scored before the log-probs
         assert metrics["timing/reward_wait_s"] == pytest.approx(reward[1] - reward[0], abs=1e-4)
         assert all(_overlap(reward, phases[p]) == 0 for p in LOG_PROB_PHASES)
 
-    for step, phases in _timeline(on_dir).items():
+    for step, phases in read_timeline(on_dir).items():
         metrics = on[step - 1]
         reward = phases["reward"]
         scoring = reward[1] - reward[0]
