@@ -418,11 +418,15 @@ def test_critic_tp1_equals_fsdp(tiny_model_dir, fsdp_critic_reference):
 
 
 @pytest.mark.slow
-def test_critic_tp2_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_dir, tmp_path, fsdp_critic_reference):
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_critic_two_ranks_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_dir, tmp_path,
+                                                              fsdp_critic_reference, parallel):
+    """TP=2: the value head replicated over the tensor-parallel pair; PP=2: the head on the last stage, the
+    body over 2 stages. Both: the FSDP critic's update, then a checkpoint round trip."""
     from rlframe.controller import ResourcePool, WorkerGroup
     from rlframe.workers.roles.critic import CriticWorker
 
-    settings = critic_settings_for(tiny_model_dir, "megatron", world_size=2, micro=1, tp=2)
+    settings = critic_settings_for(tiny_model_dir, "megatron", world_size=2, micro=1, **parallel)
     pool = ResourcePool([2], cpus_per_bundle=1, name="megatron_critic")
     group = WorkerGroup(pool, {"critic": (CriticWorker, {"settings": settings})}, default_timeout_s=300)
     try:
