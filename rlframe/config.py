@@ -263,6 +263,27 @@ class MultiTurnConfig:
 
 
 @dataclass
+class PartialRolloutConfig:
+    """Partial rollouts (rlframe/trainer/partial.py): each generation call gives a response at most
+    max_tokens_per_round new tokens; a response not finished then is held back and continued, from its
+    prompt + partial tokens, by a later call -- after a weight sync, with newer weights. Every token records
+    the policy version that produced it (token_policy_version) beside its log-prob, so the off-policy
+    correction (TIS) weighs each token against the weights that sampled it. A step trains
+    data.train_batch_size prompt groups whose n samples have all finished (the oldest first); a step
+    generates one round, more only while fewer groups than that have finished."""
+
+    enable: bool = False
+    # New tokens per response per generation call; 0: ceil(data.max_response_length / span), where span =
+    # max_token_staleness - trainer.max_staleness (0 when synchronous) + 1 is the steps a response may take.
+    max_tokens_per_round: int = 0
+    # A group is trained only while every token is at most this many policy versions behind the trainer;
+    # older held-back groups are restarted from their prompt (partial/restarted_groups). >= max_staleness + 1.
+    max_token_staleness: int = 2
+    # Prompt batches kept in flight beyond the one a step trains (over-sampling): the held-back pool.
+    oversample_batches: int = 1
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "auto"  # auto (vllm when installed, else hf) | vllm | hf
     n: int = 4
@@ -292,6 +313,7 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     # `rollout.agent` is another name for `rollout.multi_turn` (read into it by rlframe.main before validation)
     agent: Optional[dict[str, Any]] = None
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 
 @dataclass
@@ -638,6 +660,7 @@ def validate_config(cfg: RLConfig) -> None:
     _validate_algorithm(cfg, need)
     _validate_placement(cfg, need)
     _validate_async(cfg, need)
+    _validate_partial(cfg, need)
     _validate_deepspeed(cfg, need)
     _validate_megatron(cfg, need)
     _validate_lora(cfg, need)
@@ -961,9 +984,10 @@ def _validate_placement(cfg: RLConfig, need) -> None:
 
 
 def off_policy_correction(cfg: RLConfig) -> str:
-    """algorithm.off_policy_correction with auto resolved: tis for asynchronous rollouts, none otherwise."""
+    """algorithm.off_policy_correction with auto resolved: tis for asynchronous or partial rollouts, none otherwise."""
     chosen = cfg.algorithm.off_policy_correction
-    return ("tis" if cfg.trainer.async_rollout else "none") if chosen == "auto" else chosen
+    off_policy = cfg.trainer.async_rollout or cfg.rollout.partial.enable  # samples of older weights
+    return ("tis" if off_policy else "none") if chosen == "auto" else chosen
 
 
 def _validate_async(cfg: RLConfig, need) -> None:
@@ -991,6 +1015,58 @@ def _validate_async(cfg: RLConfig, need) -> None:
     need(algo.adv_estimator != "remax", "algorithm.adv_estimator",
          "ReMax's greedy baseline must come from the weights that sampled the batch; the asynchronous loop does not "
          "generate it ahead. Fix: another estimator (grpo, rloo), or trainer.async_rollout=false")
+
+
+def partial_tokens_per_round(cfg: RLConfig) -> int:
+    """rollout.partial.max_tokens_per_round with 0 resolved: the smallest budget with which a full-length response
+    finishes within the steps the token staleness bound allows (ceil(max_response_length / span))."""
+    chosen = cfg.rollout.partial.max_tokens_per_round
+    return chosen if chosen > 0 else -(-cfg.data.max_response_length // partial_span_steps(cfg))
+
+
+def partial_span_steps(cfg: RLConfig) -> int:
+    """The steps a held-back response may span before its first tokens are too stale to train (>= 1)."""
+    depth = cfg.trainer.max_staleness if cfg.trainer.async_rollout else 0
+    return max(1, cfg.rollout.partial.max_token_staleness - depth + 1)
+
+
+def _validate_partial(cfg: RLConfig, need) -> None:
+    """rollout.partial (rlframe/trainer/partial.py): budget, staleness bound, and what it cannot continue."""
+    partial, t, algo = cfg.rollout.partial, cfg.trainer, cfg.algorithm
+    if not partial.enable:
+        return
+    key = "rollout.partial.enable"
+    # Continuing a response means sending prompt + partial tokens back to the engine as a prompt. vLLM and HF
+    # generate take token ids; the multi-turn agent loop's turns (tool calls, observations) cannot be resumed
+    # mid-turn, and dynamic sampling / ReMax need every sample of the step from the step's own weights.
+    need(not cfg.rollout.multi_turn.enable, key,
+         "the multi-turn agent loop cannot resume a response cut mid-turn (its tool calls and observations are not "
+         "token-in, token-out). Fix: rollout.partial.enable=false, or rollout.multi_turn.enable=false")
+    need(not algo.dynamic_sampling.enable, key,
+         "dynamic sampling regenerates until the groups' rewards differ, from the step's own weights; held-back "
+         "groups would mix in. Fix: rollout.partial.enable=false, or algorithm.dynamic_sampling.enable=false")
+    need(algo.adv_estimator != "remax", key,
+         "ReMax's greedy baseline must come from the weights that sampled the whole response. Fix: another "
+         "estimator (grpo, rloo), or rollout.partial.enable=false")
+    need(cfg.data.source != "shapes", key,
+         "responses to image prompts are not continued (the engine would need the pixels and 3-D positions again). "
+         "Fix: rollout.partial.enable=false")
+    need(partial.max_tokens_per_round >= 0, "rollout.partial.max_tokens_per_round",
+         f"{partial.max_tokens_per_round} must be >= 0 (0: the smallest budget the staleness bound allows)")
+    need(partial.oversample_batches >= 1, "rollout.partial.oversample_batches",
+         f"{partial.oversample_batches}: a step trains one batch of finished groups; at least one more batch must be in "
+         "flight to hold responses back. Fix: rollout.partial.oversample_batches=1")
+    depth = t.max_staleness if t.async_rollout else 0
+    need(partial.max_token_staleness >= depth + 1, "rollout.partial.max_token_staleness",
+         f"{partial.max_token_staleness}: fresh tokens are already {depth} version(s) behind when trained "
+         f"(trainer.max_staleness={depth if t.async_rollout else '0, synchronous'}); a held-back token is at least one "
+         f"more. Fix: rollout.partial.max_token_staleness={depth + 1} or more")
+    budget, length, steps = partial_tokens_per_round(cfg), cfg.data.max_response_length, partial_span_steps(cfg)
+    need(budget * steps >= length, "rollout.partial.max_tokens_per_round",
+         f"{budget} tokens per round x {steps} step(s) (the span rollout.partial.max_token_staleness="
+         f"{partial.max_token_staleness} allows) < data.max_response_length={length}: a full-length response would be "
+         f"restarted forever. Fix: rollout.partial.max_tokens_per_round={-(-length // steps)} or more (0 picks it), or "
+         "raise rollout.partial.max_token_staleness")
 
 
 def _validate_deepspeed(cfg: RLConfig, need) -> None:

@@ -51,6 +51,7 @@ from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
 from rlframe.rng import sample_seeds
 from rlframe.memory_plan import read_shape
 from rlframe.trainer import algorithm_steps, checkpoint, fault, perf
+from rlframe.trainer.partial import pool_from_config
 from rlframe.trainer.launch import DisaggregatedActorRollout, Workers, start_workers
 from rlframe.trainer.tracking import Tracker
 
@@ -157,6 +158,9 @@ class RLTrainer:
         self.async_depth = cfg.trainer.max_staleness if cfg.trainer.async_rollout else 0
         self.ahead: PendingRollout | None = None  # the next step's generation, in flight on the engines
         self.policy_version = 0  # actor updates applied so far: the version of the trainer's weights
+        # rollout.partial: responses generated a budget at a time across steps (rlframe/trainer/partial.py)
+        self.partial = pool_from_config(cfg, model_path)
+        self.staleness_bound = cfg.rollout.partial.max_token_staleness if self.partial else self.async_depth
         self.on_policy_update = (cfg.actor.skip_old_log_prob_when_on_policy and cfg.actor.ppo_epochs == 1
                                  and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
                                  and not cfg.algorithm.use_kl_in_reward)  # the reward KL needs old log-probs
@@ -252,6 +256,8 @@ class RLTrainer:
         cfg = self.cfg
         timeouts = cfg.trainer.timeouts
         self.ahead, self.policy_version = None, self.updates_after(start_step)
+        if self.partial is not None:  # a resumed run starts with an empty pool (its held-back prompts are skipped)
+            self.partial.groups.clear()
         if start_step == 0 and cfg.trainer.val_before_train and self.val_set:
             self.first_val = self.validate()
             self.tracker.log(0, self.first_val)
@@ -375,7 +381,7 @@ class RLTrainer:
             batch = self.take_generation(pending)
             self.record_phase("rollout", pending.started, time.perf_counter())
         scores = self.start_scoring(batch, overlap)
-        reward_metrics = {}
+        reward_metrics = dict(pending.metrics)
         if cfg.rollout.multi_turn.enable:
             from rlframe.workers.rollout.agent_loop import agent_metrics
 
@@ -389,6 +395,8 @@ class RLTrainer:
     def start_generation(self, step: int) -> PendingRollout:
         """Draw the step's prompts and send them to the engines (+ ReMax's greedy baseline, generated here)."""
         cfg, timeouts = self.cfg, self.cfg.trainer.timeouts
+        if self.partial is not None:
+            return self.start_partial_generation(step)
         sampler_state = self.sampler.state_dict()
         batch = self.next_prompts()
         batch.meta_info["step"] = step
@@ -409,6 +417,8 @@ class RLTrainer:
 
     def take_generation(self, pending: PendingRollout) -> DataProto:
         """The prompts' rows joined with what the engines generated for them (waits for it)."""
+        if self.partial is not None:
+            return self.take_partial_generation(pending)
         if pending.result is None:
             try:
                 pending.result = pending.generation.result()
@@ -421,7 +431,7 @@ class RLTrainer:
         before they receive weights). timing/rollout_wait: the driver's wait; the generation's own span
         (from its start, in the previous step) goes to the next step's timeline as `rollout`."""
         pending = self.ahead
-        if pending is None or pending.result is not None:
+        if pending is None or pending.result is not None or pending.generation is None:
             return
         with self.timed("rollout_wait"):
             try:
@@ -433,17 +443,63 @@ class RLTrainer:
 
     def staleness_metrics(self, batch: DataProto) -> dict[str, float]:
         """async/staleness_{max,mean}: the trainer's version - the version of the weights that generated each sample
-        (recorded by disaggregated engines); with trainer.async_rollout never above trainer.max_staleness."""
+        (recorded by disaggregated engines; with partial rollouts its oldest token's); with trainer.async_rollout never
+        above trainer.max_staleness (rollout.partial.max_token_staleness with partial rollouts)."""
         if "policy_version" not in batch.non_tensor_batch:
             return {}
         versions = batch.non_tensor_batch["policy_version"].astype(np.int64)
         staleness = self.policy_version - versions
-        if int(staleness.max()) > self.async_depth or int(staleness.min()) < 0:
+        if int(staleness.max()) > self.staleness_bound or int(staleness.min()) < 0:
             raise RuntimeError(f"step {self.step}: samples of policy versions {sorted(set(versions.tolist()))} for a "
-                               f"trainer at version {self.policy_version}: staleness outside [0, {self.async_depth}]")
+                               f"trainer at version {self.policy_version}: staleness outside [0, {self.staleness_bound}]")
         return {"async/staleness_max": float(staleness.max()), "async/staleness_mean": float(staleness.mean()),
                 "async/policy_version": float(self.policy_version), "async/sample_version_min": float(versions.min()),
                 "async/sample_version_max": float(versions.max())}
+
+    # ------------------------------------------------------------------ partial rollouts (rollout.partial)
+    def start_partial_generation(self, step: int) -> PendingRollout:
+        """Restart the groups too stale for the step's update, fill the pool with new prompts, and send every
+        unfinished response (prompt + tokens so far) to the engines for one round of at most the budget."""
+        pool = self.partial
+        sampler_state = self.sampler.state_dict()
+        pool.expire(train_version=self.updates_after(step - 1))
+        for _ in range(pool.batches_to_draw()):
+            rows = self.next_prompts()
+            pool.draw(rows, rows.pop(batch_keys=["input_ids", "attention_mask", "position_ids"]))
+        samples = pool.unfinished()
+        started = time.perf_counter()
+        generation = self.actor_rollout.generate_sequences(
+            pool.requests(samples, step, 0), _blocking=False, _timeout=self.cfg.trainer.timeouts.rollout) if samples else None
+        pending = PendingRollout(step, None, generation, sampler_state, started)
+        if generation is None:  # every response in the pool had finished
+            pending.span = (started, started)
+        pending.partial = (samples, self.policy_version)  # the engines hold the trainer's last synced weights
+        return pending
+
+    def take_partial_generation(self, pending: PendingRollout) -> DataProto:
+        """The round sent by start_partial_generation, more rounds (now's weights) while fewer than
+        data.train_batch_size groups have finished, then the batch of finished groups (partial/* metrics)."""
+        pool, step = self.partial, pending.step
+        if pending.generation is not None:
+            if pending.result is None:
+                try:
+                    pending.result = pending.generation.result()
+                except WorkerError as error:
+                    raise fault.annotate(error, "rollout", step, getattr(self, "workers", None))
+            samples, version = pending.partial
+            pool.absorb(samples, pending.result, version, step)
+        max_rounds = -(-pool.response_length // pool.budget) + 1
+        for round_index in range(1, max_rounds + 1):
+            if len(pool.ready_groups()) >= pool.batch_size:
+                break
+            samples = pool.unfinished()
+            with self.timed("rollout_rounds"):
+                generated = self.actor_rollout.generate_sequences(pool.requests(samples, step, round_index),
+                                                                  _timeout=self.cfg.trainer.timeouts.rollout)
+            pool.absorb(samples, generated, self.policy_version, step)
+        batch, pending.metrics = pool.take_batch(train_version=self.policy_version, step=step)
+        batch.meta_info["step"] = step
+        return batch
 
     def updates_after(self, step: int) -> int:
         """The actor updates applied after `step` steps (the first trainer.critic_warmup steps update none)."""
@@ -617,6 +673,8 @@ class PendingRollout:
         self.sampler_state, self.started, self.baseline = sampler_state, started, baseline
         self.result: DataProto | None = None
         self.span: tuple[float, float] | None = None  # (start, end) of the generation, when run ahead
+        self.partial: tuple[list, int] | None = None  # partial rollouts: (the samples sent, the engines' version)
+        self.metrics: dict[str, float] = {}  # partial rollouts: partial/*
 
 
 class PendingScores:

@@ -8,6 +8,8 @@ builds the configured one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rlframe.protocol import DataProto
@@ -80,6 +82,8 @@ def generate_sequences(engine, settings, prompts: DataProto, rank: int) -> DataP
         sampling = settings.validation
     else:
         sampling = settings.train
+        if "max_new_tokens" in meta:  # a partial rollout's round budget (rlframe/trainer/partial.py)
+            sampling = dataclasses.replace(sampling, max_new_tokens=int(meta["max_new_tokens"]))
         if "step" in meta:
             torch.manual_seed(settings.seed * 1_000_003 + int(meta["step"]) * 1_009 + rank)
     start = time.perf_counter()
