@@ -459,7 +459,8 @@ class MegatronConfig:
 
     tensor_model_parallel_size: int = 1  # must divide the attention heads and key/value heads
     pipeline_model_parallel_size: int = 1  # must divide the layers (1F1B schedule over micro-batches)
-    context_parallel_size: int = 1  # only 1: megatron-core's CP attention is transformer-engine's (CUDA)
+    context_parallel_size: int = 1  # CP: each sequence split into 2 x CP chunks (load-balanced), key/value all-gathered
+    sequence_parallel: bool = False  # Megatron's sequence parallelism (needs TP > 1): norms / residuals split along the sequence
 
 
 @dataclass
@@ -828,7 +829,8 @@ def validate_model_lora(cfg: RLConfig, model_dir: str) -> None:
 def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> None:
     """actor.strategy=megatron: the package, the parallel sizes against the world size and against the
     model (architecture, heads, layers; when its config is on disk: `model_dir`, a folder, or a
-    provisioned embedded model), and what the engine does not run (Ulysses, CP > 1)."""
+    provisioned embedded model), and what the engine does not run (Ulysses; sequence parallelism without TP).
+    (Sequence lengths need no check: the engine pads to a multiple of TP (sequence parallel) x 2 CP.)"""
     if cfg.actor.strategy != "megatron":  # (the section is ignored, so a recipe can be compared with fsdp)
         return
     import importlib.util
@@ -849,10 +851,9 @@ def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> Non
     need(world % (tp * pp * cp) == 0, "actor.world_size",
          f"{world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp} (the rest is data "
          f"parallelism). Fix: actor.world_size={tp * pp * cp} (or a multiple), or smaller megatron.* sizes")
-    need(cp == 1, "megatron.context_parallel_size",
-         f"{cp}: context parallelism is not run by rlframe's megatron engine: megatron-core 0.16 splits the "
-         "sequence over CP ranks only with transformer-engine's attention (ring attention over CUDA), and the "
-         "local layer spec's attention refuses CP > 1. Fix: 1")
+    need(not mg.sequence_parallel or tp > 1, "megatron.sequence_parallel",
+         "needs megatron.tensor_model_parallel_size > 1 (it splits along the sequence what TP replicates). "
+         "Fix: megatron.sequence_parallel=false, or TP > 1")
     need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
          "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
     folder = _local_model_dir(model_dir or cfg.model.path)

@@ -3,7 +3,8 @@
 - conversion HF <-> Megatron GPT (fused QKV, gate/up, TP shards): hand-built layouts, exact round trips
   (Llama with grouped-query attention, Qwen2 with QKV biases, padded vocabulary), unsupported models named;
 - config validation before any worker starts: TP not dividing the heads, PP not dividing the layers, the
-  world size not divisible by TP x PP x CP, an unsupported architecture, CP > 1 (not run, the reason named);
+  world size not divisible by TP x PP x CP, an unsupported architecture (sequence / context parallelism:
+  tests/test_megatron_parallel.py);
 - the critic (value head on the Megatron body) against the FSDP critic at TP=1 and TP=2, and its resume;
 - the engine against the FSDP engine on the same HF weights and batch: log-probs (atol 1e-5, rtol 1e-4),
   one update's losses, grad norm (rel 1e-4) and updated weights converted back to HF names (atol 1e-5,
@@ -143,8 +144,7 @@ def test_validation_names_bad_parallel_sizes(tiny_model_dir, tmp_path):
     assert "megatron.pipeline_model_parallel_size: 3 does not divide the model's 2 layers. Fix: a divisor of 2" in message
     validate_config(megatron_cfg(tiny_model_dir, world_size=2, tp=1, pp=2))  # pipeline parallelism runs
     validate_config(megatron_cfg(tiny_model_dir, world_size=4, tp=2, pp=2))
-    assert "context parallelism is not run by rlframe's megatron engine: megatron-core 0.16 splits the sequence" \
-        in problems(megatron_cfg(tiny_model_dir, tp=1, cp=2))
+    validate_config(megatron_cfg(tiny_model_dir, tp=1, cp=2))  # context parallelism runs (test_megatron_parallel.py)
     ppo = megatron_cfg(tiny_model_dir)
     ppo.algorithm.adv_estimator = "gae"
     validate_config(ppo)  # the critic runs on Megatron too

@@ -85,7 +85,8 @@ class MegatronSettings:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1  # (validated: divides the layers; 1F1B schedule over micro-batches)
-    context_parallel_size: int = 1  # (validated; the engine runs CP=1 only: CP attention is transformer-engine's)
+    context_parallel_size: int = 1  # (validated; our SDPA core attention exchanges key/value blocks over CP ranks)
+    sequence_parallel: bool = False  # Megatron's sequence parallelism (TP > 1): activations split along the sequence
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def megatron_settings(cfg: RLConfig) -> MegatronSettings:
     mg = cfg.megatron
     return MegatronSettings(tensor_model_parallel_size=mg.tensor_model_parallel_size,
                             pipeline_model_parallel_size=mg.pipeline_model_parallel_size,
-                            context_parallel_size=mg.context_parallel_size)
+                            context_parallel_size=mg.context_parallel_size, sequence_parallel=mg.sequence_parallel)
 
 
 def engine_offload(cfg: RLConfig, role: str) -> dict[str, bool]:

@@ -1,5 +1,5 @@
-"""The Megatron-core trainer engine (`actor.strategy=megatron`): tensor and pipeline parallelism for the
-actor, the reference policy and the critic.
+"""The Megatron-core trainer engine (`actor.strategy=megatron`): tensor, pipeline, sequence and context
+parallelism for the actor, the reference policy and the critic.
 
     engine = MegatronEngine(settings, profile, name="actor")   # via build_engine(...)
 
@@ -39,6 +39,26 @@ of rlframe/algos): what changes is the model.
 - Gradient norm: squares summed over TP shards and PP stages (the model-parallel group), replicated
   tensors (norms) counted once per TP group and the tied LM head copy not at all; clipped as torch's
   clip_grad_norm_ does. AdamW on each rank's shards is the same as on the full tensors (elementwise).
+- Sequence parallelism (`megatron.sequence_parallel`, TP > 1): megatron-core's own (`sequence_parallel`
+  in TransformerConfig): the embedding reduce-scatters its output along the sequence, the column-parallel
+  linears all-gather their input, the row-parallel ones reduce-scatter their output, and norms and
+  residuals hold 1 / TP of the sequence. The local spec's torch norm refuses it: `SequenceParallelRMSNorm`
+  (torch RMSNorm, weight marked `sequence_parallel`), whose partial gradients the engine all-reduces over
+  TP before the norm and the step (the critic's replicated head sees the gathered sequence). Micro-batches
+  are padded on the right to a multiple of TP. On CPU, megatron-core 0.16's mappings / linears allocate
+  their outputs on `torch.cuda.current_device()` and a global CUDA buffer, and call
+  `all_gather_into_tensor` / `reduce_scatter_tensor`: redirected to the CPU, the collectives done as a list
+  all_gather and an all_reduce + slice (`_sequence_parallel_on_cpu`, CPU profile only).
+- Context parallelism (`megatron.context_parallel_size`): megatron-core's own CP attention is
+  transformer-engine's (its local spec's DotProductAttention asserts CP == 1), so `SDPACoreAttention` does
+  it: each (padded) sequence is cut into 2 x CP chunks, rank r holding chunks r and 2 CP - 1 - r (Megatron's
+  causal load balance; `cp_positions`); its queries attend to every chunk's keys / values, all-gathered over
+  the CP group (`_GatherChunks`, a list all_gather; backward: each chunk's dK / dV summed over the CP ranks),
+  under the causal + padding mask of their global columns; RoPE from the global columns (the rotary table
+  cut to the rank's chunks). The per-token log-probs / entropy / values of the rank's columns are gathered
+  the same way (backward: its own columns), so every CP rank computes the same loss through the same loss
+  functions, and gradients are summed over data-parallel x CP ranks (the rows are exchanged over TP x PP x
+  CP: `sequence_parallel_size`).
 - `iter_full_weights` streams every stage's parameters in stage order: the owner stage gathers one
   parameter's TP shards, converts it to HF names and layouts and (PP > 1) broadcasts each tensor over
   the pipeline group; the model's `state_dict` lists the same names and shapes (the disaggregated
@@ -48,16 +68,14 @@ of rlframe/algos): what changes is the model.
   FSDP engine.
 
 Not here (config validation says so before any worker starts):
-- context parallelism: megatron-core 0.16's local layer spec attention (`DotProductAttention`) asserts
-  `context_parallel_size == 1` ("only supported by TEDotProductAttention"); TE's attention does the ring
-  exchange of key/value blocks with CUDA streams and fused kernels. Our SDPA core attention would need
-  its own key/value exchange and load-balanced sequence split: not written.
+- ring attention: CP all-gathers the whole key/value sequence on every rank (memory O(S) for K/V per
+  layer, activations and logits O(S / CP)); TE's p2p ring exchange is not reproduced.
 - expert parallelism / MoE: the conversion covers dense Llama / Qwen2 only (Qwen2-MoE, Mixtral are
   refused by name: router, per-expert and shared-expert weights, the router's softmax / top-k order
   and its auxiliary loss are not mapped). On CPU, megatron-core 0.16's alltoall token dispatcher (the
   usual one for EP > 1) creates a `torch.cuda.Stream` in its constructor; its all-gather dispatcher
   was not tried over gloo.
-- Megatron's sequence parallelism, activation recompute, virtual pipeline stages (interleaving).
+- activation recompute, virtual pipeline stages (interleaving).
 
 PPO's critic (`head="value"`): the same GPT body without its LM head (embedding -> decoder with the
 final norm) and the value head of `value_model.py` (`Linear(hidden, 1)`, zero-initialised, replicated
@@ -116,11 +134,21 @@ class SDPACoreAttention(nn.Module):
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
         super().__init__()
         self.softmax_scale = softmax_scale
+        # Context parallelism: this rank holds 2 of the 2 x CP chunks of each sequence (see `cp_positions`);
+        # its queries attend to the keys / values of every chunk, all-gathered over the CP group
+        # (`_GatherChunks`: the backward sums each chunk's dK / dV over the ranks whose queries used it).
+        # The mask the model passes is [b, 1, local queries, all keys in global order].
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            self.cp_group = _import_megatron()[0].get_context_parallel_group()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention takes padded rows with a mask only")
+        if self.cp_group is not None:
+            key = _GatherChunks.apply(key, self.cp_group, 0, True)
+            value = _GatherChunks.apply(value, self.cp_group, 0, True)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         if k.size(1) != q.size(1):
             repeat = q.size(1) // k.size(1)
@@ -129,6 +157,53 @@ class SDPACoreAttention(nn.Module):
                                                                scale=self.softmax_scale)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def cp_positions(length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The columns of a `length`-column sequence (a multiple of 2 x CP) that CP rank `cp_rank` holds:
+    chunks `cp_rank` and `2 CP - 1 - cp_rank` of 2 x CP equal chunks (Megatron's load balance: under the
+    causal mask every rank gets the same amount of attention work)."""
+    chunk = length // (2 * cp)
+    first, second = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat((torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)))
+
+
+class _GatherChunks(torch.autograd.Function):
+    """Every CP rank's local tensor (its two chunks, `cp_positions` order, along `dim`) -> the whole sequence in
+    column order, on every rank of the CP group (a list all_gather: gloo-safe).
+
+    backward: `reduce=True` (keys / values: every rank's queries used every chunk): each chunk's gradient
+    summed over the CP ranks, this rank's chunks kept (a reduce-scatter; on gloo an all-reduce and a
+    slice). `reduce=False` (per-token log-probs / entropy / values, from which every CP rank computes the
+    same loss): this rank's chunks of the gradient only, which summed over the CP ranks (as the engine sums
+    the gradients over data-parallel x CP ranks) is the loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx, local, group, dim, reduce):
+        ctx.group, ctx.dim, ctx.reduce = group, dim, reduce
+        cp = dist.get_world_size(group)
+        pieces = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        chunks: list = [None] * (2 * cp)
+        for rank, piece in enumerate(pieces):
+            chunks[rank], chunks[2 * cp - 1 - rank] = piece.chunk(2, dim=dim)
+        return torch.cat(chunks, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim = ctx.group, ctx.dim
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunks = grad.chunk(2 * cp, dim=dim)
+        if not ctx.reduce:
+            return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=dim).contiguous(), None, None, None
+        per_rank = torch.stack([torch.cat((chunks[r], chunks[2 * cp - 1 - r]), dim=dim) for r in range(cp)])
+        if dist.get_backend(group) == "nccl":
+            mine = torch.empty_like(per_rank[0])
+            dist.reduce_scatter_tensor(mine, per_rank.flatten(0, 1) if dim == 0 else per_rank, group=group)
+            return mine, None, None, None
+        dist.all_reduce(per_rank, group=group)
+        return per_rank[rank].contiguous(), None, None, None
 
 
 def attention_mask_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -141,6 +216,13 @@ def attention_mask_for(attention_mask: torch.Tensor) -> torch.Tensor:
     allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
     allowed |= torch.eye(s, dtype=torch.bool, device=attention_mask.device).unsqueeze(0)
     return (~allowed).unsqueeze(1)
+
+
+def local_attention_mask(attention_mask: torch.Tensor, cp_index: torch.Tensor | None) -> torch.Tensor:
+    """`attention_mask_for` the padded sequence; under context parallelism the rows of this rank's queries
+    (`cp_index`, global columns) against every key in column order (what `SDPACoreAttention` gathers)."""
+    mask = attention_mask_for(attention_mask)
+    return mask if cp_index is None else mask[:, :, cp_index, :]
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -160,11 +242,14 @@ class MegatronCausalLM(nn.Module):
         broadcast plans its buckets from (`merged_weight_view`); the weights come from `iter_full_weights`."""
         return dict(self.weight_view)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cp_index: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocabulary logits [b, s, V] (the TP shards of the LM head gathered) on the last pipeline
-        stage; the hidden states [s, b, h] for the next stage on the others."""
+        stage; the hidden states [s, b, h] for the next stage on the others. Context parallelism:
+        `input_ids` / `position_ids` are this rank's columns `cp_index` of the padded sequence whose
+        padding mask is `attention_mask` (all columns); the outputs are those columns'."""
         out = self.gpt(input_ids=input_ids, position_ids=position_ids,
-                       attention_mask=attention_mask_for(attention_mask))
+                       attention_mask=local_attention_mask(attention_mask, cp_index))
         if not self.gpt.post_process:
             return out
         if self.tp_group is not None:
@@ -186,15 +271,21 @@ class MegatronValueModel(nn.Module):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cp_index: torch.Tensor | None = None) -> torch.Tensor:
         hidden = None  # (a later pipeline stage: the decoder takes the tensor set by set_input_tensor)
-        if self.gpt.pre_process:
+        if self.gpt.pre_process:  # (sequence parallel: the embedding scatters its output along the sequence)
             hidden = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
-        rope = self.gpt.rotary_pos_emb(input_ids.size(1))
-        hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=attention_mask_for(attention_mask),
+        rope = self.gpt.rotary_pos_emb(attention_mask.size(1))  # (context parallel: this rank's columns of it)
+        hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=local_attention_mask(attention_mask, cp_index),
                                   rotary_pos_emb=rope)
         if self.value_head is None:
             return hidden
+        if self.gpt.config.sequence_parallel:  # the replicated head on every position: gather the sequence
+            # (backward: this rank's slice; every TP rank computes the same values and loss)
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return self.value_head(hidden).squeeze(-1).transpose(0, 1).float()
 
 
@@ -225,18 +316,26 @@ def init_model_parallel(tp: int, pp: int = 1, cp: int = 1) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise ValueError(f"this process already runs Megatron with (TP, PP)={have}, asked for {(tp, pp)}")
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size())
+        if have != (tp, pp, cp):
+            raise ValueError(f"this process already runs Megatron with (TP, PP, CP)={have}, asked for {(tp, pp, cp)}")
         return
     if dist.get_world_size() % (tp * pp * cp):
         raise ValueError(f"world size {dist.get_world_size()} is not divisible by TP x PP x CP = {tp * pp * cp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp)
+    from megatron.core import tensor_parallel
+
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)  # (the RNG states its dropout forks expect)
+    else:  # every dropout is 0 here: the sequence-parallel embedding's RNG fork is a no-op on CPU
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
 
 
 def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype = torch.float32,
-              pp: int = 1, pre_process: bool = True, post_process: bool = True) -> nn.Module:
+              pp: int = 1, pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+              cp: int = 1) -> nn.Module:
     """An empty GPTModel for this TP rank and pipeline stage (local layer spec, SDPA core attention).
 
     Under PP the stage holds `num_layers / pp` layers; the first stage has the embedding, the last the
@@ -244,7 +343,13 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
     (`output_layer.weight`, loaded from the embedding) kept equal to the first stage's embedding by the
     engine (one all-reduce of their gradients over Megatron's embedding group: what megatron-core's
     DDP wrapper does in finalize_model_grads; its own tying, share_embeddings_and_output_weights, copies
-    the weight at build time with `weight.data.cuda()`, which fails on CPU)."""
+    the weight at build time with `weight.data.cuda()`, which fails on CPU).
+
+    `sequence_parallel` (TP > 1): megatron-core's own sequence parallelism (the embedding reduce-scatters
+    along the sequence, column-parallel linears all-gather their input, row-parallel ones reduce-scatter
+    their output); the norms are `SequenceParallelRMSNorm` (the local spec's torch norm refuses it) and
+    their gradients are partial sums the engine all-reduces over TP. `cp`: the core attention gathers
+    key/value chunks over the CP group and the rotary table is cut to this rank's chunks."""
     _, GPTModel, get_gpt_layer_local_spec, TransformerConfig = _import_megatron()
     if arch.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the model's {arch.num_layers} layers")
@@ -260,7 +365,8 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
         calculate_per_token_loss=True,
         use_cpu_initialization=not profile.is_gpu, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, sequence_parallel=False)
+        gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel and tp > 1,
+        context_parallel_size=cp)
     # Micro-batches are trimmed to their own padding: the pipeline schedule sends each activation's shape
     # ahead of it. (Set after __post_init__, which refuses it with the MoE all-gather token dispatcher,
     # the default even without experts.)
@@ -269,6 +375,12 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
         warnings.simplefilter("ignore", UserWarning)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if config.sequence_parallel:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                          layer_norm=SequenceParallelRMSNorm)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab(tp),
                    max_sequence_length=arch.max_position_embeddings, pre_process=pre_process,
                    post_process=post_process, parallel_output=True,
@@ -279,9 +391,34 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
         # megatron-core 0.16's RotaryEmbedding.get_emb moves its inv_freq to CUDA on first use: on CPU
         # the same embedding without that move.
         gpt.rotary_pos_emb.get_emb = types.MethodType(_rope_emb_in_place, gpt.rotary_pos_emb)
+        if cp > 1:  # (its CP cut, get_pos_emb_on_this_cp_rank, builds its index with .cuda())
+            gpt.rotary_pos_emb.forward = types.MethodType(_rope_on_cp_rank, gpt.rotary_pos_emb)
         if pp > 1:
             _pipeline_on_cpu()
+        if config.sequence_parallel:
+            _sequence_parallel_on_cpu()
     return gpt.to(profile.device)
+
+
+class SequenceParallelRMSNorm:
+    """The local spec's norm (torch RMSNorm) under sequence parallelism: the weight is replicated over TP
+    but each TP rank normalises only its slice of the sequence, so its gradient is a partial sum, marked
+    `sequence_parallel` (as megatron-core's fused norms mark theirs) for the engine's all-reduce over TP."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = True
+        return norm
+
+
+def _rope_on_cp_rank(rope, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+    """RotaryEmbedding.forward on CPU under context parallelism: the table of the whole (padded) sequence,
+    cut to this rank's chunks (`cp_positions`: the columns its tokens sit at)."""
+    emb = rope.get_emb(max_seq_len, offset)
+    group = cp_group if cp_group is not None else rope.cp_group
+    if packed_seq or group is None or group.size() == 1:
+        return emb
+    return emb[cp_positions(emb.size(0), group.size(), group.rank(), device=emb.device)]
 
 
 def _rope_emb_in_place(rope, max_seq_len: int, offset: int = 0) -> torch.Tensor:
@@ -313,6 +450,52 @@ class _TorchOnCPU:
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
+
+
+class _FreshBuffer:
+    """megatron-core's global memory buffer on CPU: a new tensor each time (its buffer allocates on CUDA)."""
+
+    @staticmethod
+    def get_tensor(shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+
+def _sequence_parallel_on_cpu() -> None:
+    """Sequence parallelism on CPU (gloo): megatron-core 0.16's tensor-parallel layers and mappings allocate
+    their gather / reduce-scatter outputs on `torch.cuda.current_device()` and in a global CUDA buffer;
+    here `_TorchOnCPU` and a fresh CPU tensor. Their collectives, `all_gather_into_tensor` and
+    `reduce_scatter_tensor`, are replaced by `_gloo_all_gather` / `_gloo_reduce_scatter` (a list
+    all_gather; an all_reduce and a slice): older torch's gloo has neither, and on CPU the cost is moot."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.tensor_parallel import layers, mappings
+    for module in (layers, mappings):
+        if not isinstance(module.torch, _TorchOnCPU):
+            module.torch = _TorchOnCPU()
+        module.get_global_memory_buffer = lambda: _FreshBuffer
+        module.dist_all_gather_func, module.dist_reduce_scatter_func = _gloo_all_gather, _gloo_reduce_scatter
+
+
+class _Done:
+    """The handle of a collective that already completed (megatron's async_op=True callers `wait()` on it)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+def _gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """all_gather_into_tensor (concatenated along dim 0) as a list all_gather into views of `output`."""
+    dist.all_gather(list(output.chunk(dist.get_world_size(group), dim=0)), input.contiguous(), group=group)
+    return _Done() if async_op else None
+
+
+def _gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """reduce_scatter_tensor (sum; dim 0 split evenly) as an all_reduce of a copy and this rank's slice."""
+    total = input.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    output.copy_(total.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)])
+    return _Done() if async_op else None
 
 
 def _pipeline_on_cpu() -> None:
@@ -371,12 +554,18 @@ def load_local_state(params: dict[str, nn.Parameter], local: dict[str, torch.Ten
 
 
 # ------------------------------------------------------------------------------------ engine
-CP_REFUSAL = (
-    "context parallelism needs a core attention that exchanges key/value blocks between the CP ranks "
-    "(ring attention): megatron-core 0.16 has it only in transformer-engine's TEDotProductAttention "
-    "(attn_mask_type / cp_comm_type handled by TE's fused kernels, CUDA only), while its local layer spec "
-    "(DotProductAttention) asserts context_parallel_size == 1 and our SDPA core attention sees only its "
-    "own sequence chunk")
+def _replica_row_group(dp_rank: int) -> SequenceParallelGroup:
+    """The ranks of this rank's model replica (TP x PP x CP: those with its data-parallel rank) as a group,
+    for the row exchange (`gather_rows`). Every rank creates every replica's group, in the same order."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dp_rank)
+    mine = None
+    for value in sorted(set(ranks)):
+        members = [r for r, v in enumerate(ranks) if v == value]
+        group = dist.new_group(members)
+        if value == dp_rank:
+            mine = SequenceParallelGroup(group, len(members), members.index(dist.get_rank()))
+    return mine
 
 
 class MegatronEngine(TrainerEngine):
@@ -384,9 +573,6 @@ class MegatronEngine(TrainerEngine):
         from transformers import AutoConfig
 
         mg = settings.megatron
-        if mg.context_parallel_size != 1:
-            raise ValueError(f"{name}: megatron.context_parallel_size={mg.context_parallel_size}: {CP_REFUSAL}. "
-                             "Fix: megatron.context_parallel_size=1")
         if settings.sequence_parallel_size > 1:
             raise ValueError(f"{name}: Ulysses sequence parallelism runs on the fsdp engine only. "
                              "Fix: actor.ulysses_sequence_parallel_size=1")
@@ -398,10 +584,12 @@ class MegatronEngine(TrainerEngine):
         hf_config = AutoConfig.from_pretrained(settings.model_path, trust_remote_code=settings.trust_remote_code)
         arch = GPTArch.from_hf(hf_config)  # ValueError naming an unsupported architecture
         self.tp, self.pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+        self.cp = mg.context_parallel_size
+        self.sp = bool(getattr(mg, "sequence_parallel", False)) and self.tp > 1
         if arch.num_layers % self.pp:
             raise ValueError(f"{name}: megatron.pipeline_model_parallel_size={self.pp} does not divide the model's "
                              f"{arch.num_layers} layers. Fix: a divisor of {arch.num_layers}")
-        init_model_parallel(self.tp, self.pp)
+        init_model_parallel(self.tp, self.pp, self.cp)
         parallel_state = _import_megatron()[0]
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -409,12 +597,18 @@ class MegatronEngine(TrainerEngine):
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)  # global ranks of the stages, in stage order
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp = parallel_state.get_data_parallel_world_size()
+        # Gradients are summed over the data-parallel x context-parallel ranks (each CP rank's share of
+        # the loss comes from its own chunks of the sequences).
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        self.cp_group = parallel_state.get_context_parallel_group() if self.cp > 1 else None
+        self.cp_rank = parallel_state.get_context_parallel_rank()
         # The ranks of one model replica (TP x PP) hold the same rows: they exchange their data-parallel chunks.
         self.mp_group = parallel_state.get_model_parallel_group() if self.tp * self.pp > 1 else None
         self.row_group = (SequenceParallelGroup(self.mp_group, self.tp * self.pp, dist.get_rank(self.mp_group))
                           if self.mp_group is not None else None)
+        if self.cp > 1:  # ... and so do the CP ranks of the replica: the rows are exchanged over TP x PP x CP
+            self.row_group = _replica_row_group(parallel_state.get_data_parallel_rank())
         # Tied embeddings under PP: the last stage's LM head is a copy of the first stage's embedding (the
         # critic has no LM head).
         self.value_head = settings.head == "value"
@@ -422,7 +616,8 @@ class MegatronEngine(TrainerEngine):
         self.embedding_group = (parallel_state.get_embedding_group()
                                 if self.tied_copy and (self.first_stage or self.last_stage) else None)
         torch.manual_seed(0)  # (perform_initialization=False: the values are all overwritten below)
-        gpt = build_gpt(arch, self.tp, profile, pp=self.pp, pre_process=self.first_stage, post_process=self.last_stage)
+        gpt = build_gpt(arch, self.tp, profile, pp=self.pp, pre_process=self.first_stage, post_process=self.last_stage,
+                        sequence_parallel=self.sp, cp=self.cp)
         self.layer_offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
         if self.value_head:
             self.model = MegatronValueModel(gpt, hf_config, arch).to(self.device)
@@ -504,27 +699,44 @@ class MegatronEngine(TrainerEngine):
     # ------------------------------------------------------------------ the interface
     @property
     def sequence_parallel_size(self) -> int:
-        """Ranks that hold each row (one model replica: TP x PP): the loop counts normalisers once per replica."""
-        return self.tp * self.pp
+        """Ranks that hold each row (one model replica: TP x PP x CP): the loop counts normalisers once per replica."""
+        return self.tp * self.pp * self.cp
 
     def gather_sequence_parallel(self, data: DataProto) -> tuple[DataProto, slice]:
         return gather_rows(data, self.row_group) if self.row_group is not None else (data, slice(0, len(data)))
 
-    def _inputs(self, micro: DataProto, response_width: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
-        """The model inputs trimmed to the micro-batch's padding, and what `_outputs` needs to cut the response."""
+    def _inputs(self, micro: DataProto, response_width: int) -> tuple[tuple, tuple]:
+        """The model inputs trimmed to the micro-batch's padding, and what `_outputs` needs to cut the response.
+
+        Sequence parallelism needs a length divisible by TP, context parallelism by 2 x CP (x TP under
+        both): padding columns are appended on the right (masked out: real tokens never attend to them,
+        and their outputs are never read). Under CP the token and position ids are this rank's columns
+        (`cp_positions`); the padding mask stays whole (the core attention sees every key)."""
         input_ids, attention_mask, position_ids = (micro.batch[k].to(self.device) for k in
                                                    ("input_ids", "attention_mask", "position_ids"))
         start, end = trim_padding_columns(attention_mask, response_width)
         prompt_width = input_ids.size(1) - response_width
-        return ((input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end]),
-                (input_ids, start, end, prompt_width, response_width))
+        ids, positions, mask = input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end]
+        multiple = (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
+        pad = -(end - start) % multiple
+        if pad:
+            ids, mask = (torch.nn.functional.pad(t, (0, pad)) for t in (ids, mask))
+            positions = torch.cat((positions, positions[:, -1:] + torch.arange(1, pad + 1, device=self.device)), dim=1)
+        cp_index = None
+        if self.cp > 1:
+            cp_index = cp_positions(ids.size(1), self.cp, self.cp_rank, device=self.device)
+            local_ids, positions = ids[:, cp_index], positions[:, cp_index]
+            return (local_ids, positions, mask, cp_index), (input_ids, start, end, prompt_width, response_width, ids, cp_index)
+        return (ids, positions, mask), (input_ids, start, end, prompt_width, response_width, ids, cp_index)
 
     def _outputs(self, out: torch.Tensor, span: tuple, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
         """The last stage's output (logits [b, s, V] or values [b, s]) -> the response's [B, R] outputs."""
         from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
-        input_ids, start, end, prompt_width, response_width = span
+        input_ids, start, end, prompt_width, response_width, padded_ids, cp_index = span
         pad = response_width - (end - prompt_width)
+        if cp_index is not None:
+            return self._outputs_cp(out, span, temperature, with_entropy)
         if self.value_head:  # V before each response token: the previous column's hidden state
             values = out[:, prompt_width - start - 1: end - start - 1]
             return {"values": torch.nn.functional.pad(values, (0, pad)) if pad else values}
@@ -537,6 +749,32 @@ class MegatronEngine(TrainerEngine):
         if with_entropy:
             result["entropy"] = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK)
         return {k: torch.nn.functional.pad(v, (0, pad)) if pad else v for k, v in result.items()}
+
+    def _outputs_cp(self, out: torch.Tensor, span: tuple, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        """`_outputs` under context parallelism: per-column values (log-prob of the next token, entropy, or
+        V) of this rank's columns, gathered over the CP group into column order (`_GatherChunks`, backward:
+        this rank's columns), then cut to the response as without CP. Every CP rank thus computes the same
+        loss; the engine sums the gradients over DP x CP."""
+        from rlframe.algos import entropy_from_logits, log_probs_from_logits
+
+        input_ids, start, end, prompt_width, response_width, padded_ids, cp_index = span
+        pad = response_width - (end - prompt_width)
+        if self.value_head:  # V before each response token: the previous column's hidden state
+            per_column = {"values": out}
+            first = prompt_width - start - 1
+        else:  # logits at column c predict the token at column c + 1 (the last column predicts nothing read)
+            next_ids = torch.nn.functional.pad(padded_ids[:, 1:], (0, 1))[:, cp_index]
+            logits = out / temperature if temperature != 1.0 else out
+            per_column = {"log_probs": log_probs_from_logits(logits, next_ids, chunk_size=LOGIT_CHUNK)}
+            if with_entropy:
+                per_column["entropy"] = entropy_from_logits(logits, chunk_size=LOGIT_CHUNK)
+            first = prompt_width - 1 - start
+        result = {}
+        for key, local in per_column.items():
+            whole = _GatherChunks.apply(local, self.cp_group, 1, False)
+            response = whole[:, first: first + end - prompt_width]
+            result[key] = torch.nn.functional.pad(response, (0, pad)) if pad else response
+        return result
 
     def forward_micro(self, micro: DataProto, response_width: int, temperature: float = 1.0,
                       with_entropy: bool = False) -> dict[str, torch.Tensor]:
@@ -613,6 +851,10 @@ class MegatronEngine(TrainerEngine):
 
     def clip_norm(self, max_norm: float) -> float:
         named = {n: p for n, p in self.params.items() if p.grad is not None}
+        if self.sp:  # replicated norms under sequence parallelism: each TP rank saw its slice of the sequence
+            for p in named.values():
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.grad, group=self.tp_group)
         if self.embedding_group is not None:  # tied embeddings under PP: first stage's + last stage's gradient
             shared = named.get("embedding.word_embeddings.weight", named.get("output_layer.weight"))
             dist.all_reduce(shared.grad, group=self.embedding_group)
