@@ -11,7 +11,9 @@ updated weights rtol 1e-4, atol 2e-5 under TP as there):
   TP) gives FSDP's log-probs and update, hence the update of TP=2 without it (test_megatron.py);
 - `megatron.context_parallel_size=2` (2 ranks, 2 micro-batches): each sequence in 4 chunks, rank r holding
   chunks r and 3 - r, keys / values all-gathered, per-token log-probs gathered: FSDP's log-probs and update;
-- the chunk layout and the config validation of the new keys.
+- the chunk layout and the config validation of the new keys;
+- slow: the critic under both (2 ranks), and on 4 ranks TP=2 x CP=2, TP=2 + SP x CP=2, TP=2 + SP x PP=2 and
+  CP=2 x PP=2 (all FSDP's update).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ pytest.importorskip("megatron.core")
 
 from test_megatron import (actor_config, assert_same_as_fsdp, megatron_cfg, problems, start_actor,  # noqa: E402
                            tiny_batch, update)
-from test_megatron import fsdp_reference  # noqa: E402,F401  (the module fixture, by name)
+from test_megatron import fsdp_critic_reference, fsdp_reference  # noqa: E402,F401  (module fixtures, by name)
 
 
 def test_cp_chunk_layout():
@@ -64,4 +66,53 @@ def test_sequence_parallel_tp2_equals_fsdp(ray_session, tiny_model_dir, tmp_path
 
 def test_context_parallel_cp2_equals_fsdp(ray_session, tiny_model_dir, tmp_path, request):
     ours = parallel_update(tiny_model_dir, tmp_path, "megatron_cp2", context_parallel_size=2)
+    assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), ours, weight_atol=2e-5)
+
+
+@pytest.mark.slow  # (~40 s each on a quiet machine)
+@pytest.mark.parametrize("parallel", [{"tensor_model_parallel_size": 2, "sequence_parallel": True},
+                                      {"context_parallel_size": 2}], ids=["tp2_sp", "cp2"])
+def test_critic_two_ranks_equals_fsdp(ray_session, tiny_model_dir, request, parallel):
+    """The critic's value head under sequence parallelism (its input gathered along the sequence) and under
+    context parallelism (the values of each rank's chunks gathered): the FSDP critic's update."""
+    import dataclasses
+
+    from test_megatron import assert_same_critic_update, critic_batch, critic_settings_for
+
+    from rlframe.controller import ResourcePool, WorkerGroup
+    from rlframe.workers.roles.critic import CriticWorker
+
+    settings = critic_settings_for(tiny_model_dir, "megatron", world_size=2, micro=1)
+    engine = dataclasses.replace(settings.engine, megatron=dataclasses.replace(settings.engine.megatron, **parallel))
+    pool = ResourcePool([2], cpus_per_bundle=1, name="megatron_critic_parallel")
+    group = WorkerGroup(pool, {"critic": (CriticWorker, {"settings": dataclasses.replace(settings, engine=engine)})},
+                        default_timeout_s=300)
+    try:
+        critic = group.role("critic")
+        metrics = critic.update_critic(critic_batch()).meta_info["metrics"]
+        values = critic.compute_values(critic_batch()).batch["values"]
+    finally:
+        group.shutdown()
+        pool.remove()
+    assert_same_critic_update(request.getfixturevalue("fsdp_critic_reference"), metrics, values)
+
+
+@pytest.mark.slow  # (4 ranks on the 2 cores: ~1-2 min each)
+@pytest.mark.parametrize("parallel", [
+    {"tp": 2, "context_parallel_size": 2},
+    {"tp": 2, "sequence_parallel": True, "context_parallel_size": 2},
+    {"tp": 2, "sequence_parallel": True, "pipeline_model_parallel_size": 2},
+    {"context_parallel_size": 2, "pipeline_model_parallel_size": 2},
+], ids=["tp2_cp2", "tp2_sp_cp2", "tp2_sp_pp2", "cp2_pp2"])
+def test_four_rank_combinations_equal_fsdp(ray_session, tiny_model_dir, tmp_path, request, parallel):
+    """Sequence / context parallelism combined with TP and the pipeline (4 ranks): FSDP's update."""
+    cfg = actor_config(tiny_model_dir, 4, 2, tp=parallel.pop("tp", 1))
+    for key, value in parallel.items():
+        setattr(cfg.megatron, key, value)
+    pool, group, actor = start_actor(cfg, tiny_model_dir, "megatron_four_ranks")
+    try:
+        ours = update(actor, tiny_batch(tiny_model_dir), tmp_path / "four")
+    finally:
+        group.shutdown()
+        pool.remove()
     assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), ours, weight_atol=2e-5)
