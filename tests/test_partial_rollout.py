@@ -204,6 +204,29 @@ def test_pool_keeps_groups_whole_trains_oldest_first_and_restarts_stale_groups()
     assert all(not s.finished and s.tokens == [] for s in pool.groups["b0"])
 
 
+def test_pool_state_survives_a_json_round_trip():
+    """What a checkpoint keeps (driver_state.json): the held-back responses, bit for bit; a group in flight is left out."""
+    import json
+
+    pool = PartialRolloutPool(batch_size=1, group_size=2, budget=BUDGET, response_length=LENGTH, max_token_staleness=2,
+                              oversample_batches=1, eos_token_ids=[2], pad_token_id=0)
+    rows, prompts = _prompt_rows([[4, 9], [5]], 0, tag="a")
+    rows.non_tensor_batch["index"] = np.array([np.int64(3), np.int64(4)], dtype=object)
+    pool.draw(rows, prompts)
+    samples = pool.unfinished()
+    generated = _scripted(samples, [3, BUDGET, 2, 4], [True, False, True, True])
+    generated.batch["rollout_log_probs"][:, 0] = torch.tensor([-0.1234567, -1e-8, -3.3, -7.25])  # float32 values
+    pool.absorb(samples, generated, version=4, step=5)
+    restored = PartialRolloutPool(batch_size=1, group_size=2, budget=BUDGET, response_length=LENGTH,
+                                  max_token_staleness=2, oversample_batches=1, eos_token_ids=[2], pad_token_id=0)
+    restored.load_state_dict(json.loads(json.dumps(pool.state_dict())))
+    assert restored.groups == {g: [s for s in samples] for g, samples in pool.groups.items()}
+    a, b = pool.take_batch(4, 5)[0], restored.take_batch(4, 5)[0]
+    for key in a.batch.keys():
+        assert a.batch[key].equal(b.batch[key]), key
+    assert list(json.loads(json.dumps(pool.state_dict(exclude={"a0"})))["groups"]) == []  # a1 taken, a0 excluded
+
+
 def _problems(**changes) -> str:
     cfg = RLConfig()
     for key, value in changes.items():
@@ -295,3 +318,22 @@ def test_partial_rollouts_end_to_end_asynchronous_vllm(tmp_path, tiny_model_dir)
                                "rollout.partial.max_token_staleness=3")
     assert "engine=vllm" in result.stdout
     _check_partial_run(read_metrics(run_dir), bound=3)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_from_a_checkpoint_exactly(tmp_path, tiny_model_dir):
+    """The pool is part of the checkpoint: steps 3-4 resumed from step 2's checkpoint equal the uninterrupted run's."""
+    from conftest import read_metrics, run_tiny
+
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "resumed").mkdir()
+    run = [arg for arg in PARTIAL if arg != "trainer.total_steps=3"] + ["trainer.total_steps=4", "trainer.save_every=2"]
+    whole_dir, _ = run_tiny(tmp_path / "whole", tiny_model_dir, "grpo_math", *run)
+    resumed_dir, _ = run_tiny(tmp_path / "resumed", tiny_model_dir, "grpo_math", *run,
+                              f"trainer.resume={whole_dir / 'checkpoints' / 'step_2'}")
+    whole, resumed = read_metrics(whole_dir), read_metrics(resumed_dir)
+    assert [m["step"] for m in resumed] == [3, 4]
+    comparable = [{k: v for k, v in m.items() if not k.startswith(("timing/", "perf/")) and "seconds" not in k}
+                  for m in whole[2:] + resumed]
+    assert comparable[:2] == comparable[2:]
+    assert whole[2]["partial/carried_frac"] > 0  # step 3 trained responses held back across the checkpoint

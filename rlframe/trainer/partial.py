@@ -149,6 +149,17 @@ class PartialRolloutPool:
             self.step_stats["partial/generated_tokens"] = self.step_stats.get("partial/generated_tokens", 0.0) + len(tokens)
         self.step_stats["partial/rounds"] = self.step_stats.get("partial/rounds", 0.0) + 1
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, exclude: set[str] = frozenset()) -> dict:
+        """The held-back responses as JSON-ready lists (for the checkpoint's driver_state.json), without the groups
+        in `exclude` (those drawn for a generation still in flight: a resumed run draws them again)."""
+        return {"groups": [[{**vars(s), "row": {k: _json_ready(v) for k, v in s.row.items()}} for s in samples]
+                           for group, samples in self.groups.items() if group not in exclude]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = {samples[0]["group"]: [PartialSample(**sample) for sample in samples]
+                       for samples in state["groups"]}
+
     # ------------------------------------------------------------------ the step's batch
     def ready_groups(self) -> list[str]:
         """Groups whose n samples have all finished, the oldest tokens first (then the order drawn)."""
@@ -204,6 +215,19 @@ class PartialRolloutPool:
                 "partial/mixed_version_frac": sum(len(set(s.versions)) > 1 for s in trained) / len(trained),
                 "partial/token_staleness_max": float(max(staleness, default=0)),
                 "partial/token_staleness_mean": float(np.mean(staleness)) if staleness else 0.0}
+
+
+def _json_ready(value):
+    """numpy scalars and arrays -> Python numbers and lists (a prompt row's fields, for JSON)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 def pool_from_config(cfg, model_path: str) -> PartialRolloutPool | None:

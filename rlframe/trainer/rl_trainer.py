@@ -233,6 +233,9 @@ class RLTrainer:
         sampler = self.ahead.sampler_state if self.ahead is not None else self.sampler.state_dict()
         driver_state = {"sampler": sampler, "val_before": self.first_val,
                         "last_metrics": self.last_metrics, "kl_coef": getattr(self.kl_ctrl, "value", None)}
+        if self.partial is not None:  # the held-back responses (not the groups of a generation in flight)
+            driver_state["partial_pool"] = self.partial.state_dict(
+                exclude=set(self.ahead.partial_drawn) if self.ahead is not None else set())
         t = self.cfg.trainer
         checkpoint.save_checkpoint(self.workers, self.run_dir, step, driver_state,
                                    OmegaConf.to_yaml(OmegaConf.structured(self.cfg)), keep=t.max_checkpoints_to_keep,
@@ -240,6 +243,8 @@ class RLTrainer:
 
     def restore(self, ckpt: checkpoint.Checkpoint | None) -> int:
         """Load `ckpt` into the workers and the driver; returns the step to continue after (0: fresh)."""
+        if self.partial is not None:
+            self.partial.groups.clear()
         if ckpt is None:
             return 0
         if isinstance(self.actor_rollout, DisaggregatedActorRollout):  # the engines record the restored version
@@ -250,14 +255,14 @@ class RLTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.batches = self.sampler.forever()
         self.first_val, self.last_metrics = state["val_before"], state["last_metrics"]
+        if self.partial is not None and "partial_pool" in state:
+            self.partial.load_state_dict(state["partial_pool"])
         return int(state["step"])
 
     def train(self, start_step: int) -> dict:
         cfg = self.cfg
         timeouts = cfg.trainer.timeouts
         self.ahead, self.policy_version = None, self.updates_after(start_step)
-        if self.partial is not None:  # a resumed run starts with an empty pool (its held-back prompts are skipped)
-            self.partial.groups.clear()
         if start_step == 0 and cfg.trainer.val_before_train and self.val_set:
             self.first_val = self.validate()
             self.tracker.log(0, self.first_val)
@@ -463,9 +468,11 @@ class RLTrainer:
         pool = self.partial
         sampler_state = self.sampler.state_dict()
         pool.expire(train_version=self.updates_after(step - 1))
+        drawn = []
         for _ in range(pool.batches_to_draw()):
             rows = self.next_prompts()
             pool.draw(rows, rows.pop(batch_keys=["input_ids", "attention_mask", "position_ids"]))
+            drawn += [str(uid) for uid in rows.non_tensor_batch["uid"]]
         samples = pool.unfinished()
         started = time.perf_counter()
         generation = self.actor_rollout.generate_sequences(
@@ -474,6 +481,7 @@ class RLTrainer:
         if generation is None:  # every response in the pool had finished
             pending.span = (started, started)
         pending.partial = (samples, self.policy_version)  # the engines hold the trainer's last synced weights
+        pending.partial_drawn = drawn
         return pending
 
     def take_partial_generation(self, pending: PendingRollout) -> DataProto:
@@ -674,6 +682,7 @@ class PendingRollout:
         self.result: DataProto | None = None
         self.span: tuple[float, float] | None = None  # (start, end) of the generation, when run ahead
         self.partial: tuple[list, int] | None = None  # partial rollouts: (the samples sent, the engines' version)
+        self.partial_drawn: list[str] = []  # partial rollouts: the uids of the prompts drawn for it
         self.metrics: dict[str, float] = {}  # partial rollouts: partial/*
 
 
