@@ -461,6 +461,7 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1  # must divide the layers (1F1B schedule over micro-batches)
     context_parallel_size: int = 1  # CP: each sequence split into 2 x CP chunks (load-balanced), key/value all-gathered
     sequence_parallel: bool = False  # Megatron's sequence parallelism (needs TP > 1): norms / residuals split along the sequence
+    expert_model_parallel_size: int = 1  # EP (Qwen2-MoE / Mixtral): must divide the experts and the data-parallel x CP ranks
 
 
 @dataclass

@@ -87,6 +87,7 @@ class MegatronSettings:
     pipeline_model_parallel_size: int = 1  # (validated: divides the layers; 1F1B schedule over micro-batches)
     context_parallel_size: int = 1  # (validated; our SDPA core attention exchanges key/value blocks over CP ranks)
     sequence_parallel: bool = False  # Megatron's sequence parallelism (TP > 1): activations split along the sequence
+    expert_model_parallel_size: int = 1  # EP (MoE models): the routed experts split over data-parallel ranks
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ def megatron_settings(cfg: RLConfig) -> MegatronSettings:
     mg = cfg.megatron
     return MegatronSettings(tensor_model_parallel_size=mg.tensor_model_parallel_size,
                             pipeline_model_parallel_size=mg.pipeline_model_parallel_size,
-                            context_parallel_size=mg.context_parallel_size, sequence_parallel=mg.sequence_parallel)
+                            context_parallel_size=mg.context_parallel_size, sequence_parallel=mg.sequence_parallel,
+                            expert_model_parallel_size=mg.expert_model_parallel_size)
 
 
 def engine_offload(cfg: RLConfig, role: str) -> dict[str, bool]:

@@ -101,7 +101,8 @@ from rlframe.workers.distributed import all_reduce_max, barrier, rank as global_
 from rlframe.workers.engine.base import LossFn, LossOutput, TrainerEngine
 from rlframe.workers.engine.checkpoint import OPTIMIZER_FILE, load_rank_state, save_rank_state
 from rlframe.workers.engine.hf_model import LOGIT_CHUNK, trim_padding_columns
-from rlframe.workers.engine.megatron_convert import GPTArch, hf_to_megatron, is_tensor_parallel, megatron_to_hf
+from rlframe.workers.engine.megatron_convert import (GPTArch, hf_to_megatron, is_expert, is_tensor_parallel,
+                                                     megatron_to_hf)
 from rlframe.workers.hf_folder import write_hf_folder
 from rlframe.workers.sequence_parallel import SequenceParallelGroup, gather_rows
 from rlframe.workers.settings import EngineSettings
@@ -307,7 +308,7 @@ class _GatherVocab(torch.autograd.Function):
         return grad[..., start: start + ctx.width].contiguous(), None
 
 
-def init_model_parallel(tp: int, pp: int = 1, cp: int = 1) -> None:
+def init_model_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
     """Megatron's process groups over our (gloo / nccl) world; once per process (actor and ref share them)."""
     parallel_state = _import_megatron()[0]
     if not dist.is_initialized():  # a plain object in a test process: a one-rank group
@@ -317,14 +318,16 @@ def init_model_parallel(tp: int, pp: int = 1, cp: int = 1) -> None:
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_context_parallel_world_size())
-        if have != (tp, pp, cp):
-            raise ValueError(f"this process already runs Megatron with (TP, PP, CP)={have}, asked for {(tp, pp, cp)}")
+                parallel_state.get_context_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, cp, ep):
+            raise ValueError(f"this process already runs Megatron with (TP, PP, CP, EP)={have}, asked for "
+                             f"{(tp, pp, cp, ep)}")
         return
     if dist.get_world_size() % (tp * pp * cp):
         raise ValueError(f"world size {dist.get_world_size()} is not divisible by TP x PP x CP = {tp * pp * cp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp)
+                                             context_parallel_size=cp, expert_model_parallel_size=ep)
     from megatron.core import tensor_parallel
 
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
@@ -335,7 +338,7 @@ def init_model_parallel(tp: int, pp: int = 1, cp: int = 1) -> None:
 
 def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype = torch.float32,
               pp: int = 1, pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-              cp: int = 1) -> nn.Module:
+              cp: int = 1, ep: int = 1) -> nn.Module:
     """An empty GPTModel for this TP rank and pipeline stage (local layer spec, SDPA core attention).
 
     Under PP the stage holds `num_layers / pp` layers; the first stage has the embedding, the last the
@@ -351,6 +354,18 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
     their gradients are partial sums the engine all-reduces over TP. `cp`: the core attention gathers
     key/value chunks over the CP group and the rotary table is cut to this rank's chunks."""
     _, GPTModel, get_gpt_layer_local_spec, TransformerConfig = _import_megatron()
+    moe = {}
+    if arch.num_experts:  # every layer's MLP is megatron-core's MoELayer (local spec: SequentialMLP experts)
+        moe = dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
+                   moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+                   moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+                   moe_shared_expert_gate=bool(arch.shared_expert_ffn_hidden_size),
+                   moe_router_pre_softmax=arch.moe_pre_softmax,
+                   # no load-balancing loss: the FSDP engine's HF forward adds none either (it is HF's only
+                   # with output_router_logits and labels), so both engines optimise the same objective
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                   # (the alltoall dispatcher creates a torch.cuda.Stream in its constructor: not on CPU)
+                   moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep, moe_grouped_gemm=False)
     if arch.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the model's {arch.num_layers} layers")
     config = TransformerConfig(
@@ -366,14 +381,15 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
         use_cpu_initialization=not profile.is_gpu, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel and tp > 1,
-        context_parallel_size=cp)
+        context_parallel_size=cp, **moe)
     # Micro-batches are trimmed to their own padding: the pipeline schedule sends each activation's shape
     # ahead of it. (Set after __post_init__, which refuses it with the MoE all-gather token dispatcher,
     # the default even without experts.)
     config.variable_seq_lengths = pp > 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                        normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if config.sequence_parallel:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -381,6 +397,8 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
                                           layer_norm=SequenceParallelRMSNorm)
+    if arch.num_experts:
+        _moe_without_transformer_engine()
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab(tp),
                    max_sequence_length=arch.max_position_embeddings, pre_process=pre_process,
                    post_process=post_process, parallel_output=True,
@@ -395,8 +413,10 @@ def build_gpt(arch: GPTArch, tp: int, profile: DeviceProfile, dtype: torch.dtype
             gpt.rotary_pos_emb.forward = types.MethodType(_rope_on_cp_rank, gpt.rotary_pos_emb)
         if pp > 1:
             _pipeline_on_cpu()
-        if config.sequence_parallel:
+        if config.sequence_parallel or arch.num_experts:  # (the all-gather token dispatcher: the same mappings)
             _sequence_parallel_on_cpu()
+        if arch.num_experts:
+            _moe_on_cpu()
     return gpt.to(profile.device)
 
 
@@ -498,6 +518,27 @@ def _gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, 
     return _Done() if async_op else None
 
 
+def _moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router gating (moe_utils.RouterGatingLinearFunction) tests
+    `te_general_gemm is not None`, a name moe_utils binds only when transformer-engine imports: without TE
+    a NameError ("name 'te_general_gemm' is not defined"). Bound to None there, it takes its torch.mm path."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _moe_on_cpu() -> None:
+    """megatron-core 0.16's MoE router moves its weight to `torch.cuda.current_device()` on first use when it
+    finds it on the CPU: on CPU processes that is a no-op (`_TorchOnCPU`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.transformer.moe import router
+    if not isinstance(router.torch, _TorchOnCPU):
+        router.torch = _TorchOnCPU()
+
+
 def _pipeline_on_cpu() -> None:
     """Point megatron-core's pipeline schedule and p2p modules at `_TorchOnCPU` (CPU processes only)."""
     with warnings.catch_warnings():
@@ -586,11 +627,26 @@ class MegatronEngine(TrainerEngine):
         self.tp, self.pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
         self.cp = mg.context_parallel_size
         self.sp = bool(getattr(mg, "sequence_parallel", False)) and self.tp > 1
+        self.ep = getattr(mg, "expert_model_parallel_size", 1)
+        if self.ep > 1 and (not arch.num_experts or arch.num_experts % self.ep):
+            raise ValueError(f"{name}: megatron.expert_model_parallel_size={self.ep} must divide the model's "
+                             f"{arch.num_experts} experts. Fix: a divisor of it (or 1 for a dense model)")
         if arch.num_layers % self.pp:
             raise ValueError(f"{name}: megatron.pipeline_model_parallel_size={self.pp} does not divide the model's "
                              f"{arch.num_layers} layers. Fix: a divisor of {arch.num_layers}")
-        init_model_parallel(self.tp, self.pp, self.cp)
+        init_model_parallel(self.tp, self.pp, self.cp, self.ep)
         parallel_state = _import_megatron()[0]
+        # Expert parallelism: the EP ranks are data-parallel ranks (different rows) holding different experts;
+        # megatron-core's all-gather token dispatcher gathers their tokens, so an expert's gradient already
+        # sums over the EP group's rows and is summed further over the expert-data-parallel group only.
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank() if self.ep > 1 else 0
+        self.ep_group = parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None
+        if self.ep > 1:
+            if parallel_state.get_expert_tensor_parallel_rank() != parallel_state.get_tensor_model_parallel_rank():
+                raise ValueError(f"{name}: the expert tensor-parallel rank differs from the TP rank (CP x EP "
+                                 "layouts are not converted). Fix: megatron.context_parallel_size=1 with EP")
+            self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
+            self.expert_mp_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -617,7 +673,7 @@ class MegatronEngine(TrainerEngine):
                                 if self.tied_copy and (self.first_stage or self.last_stage) else None)
         torch.manual_seed(0)  # (perform_initialization=False: the values are all overwritten below)
         gpt = build_gpt(arch, self.tp, profile, pp=self.pp, pre_process=self.first_stage, post_process=self.last_stage,
-                        sequence_parallel=self.sp, cp=self.cp)
+                        sequence_parallel=self.sp, cp=self.cp, ep=self.ep)
         self.layer_offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
         if self.value_head:
             self.model = MegatronValueModel(gpt, hf_config, arch).to(self.device)
@@ -629,7 +685,7 @@ class MegatronEngine(TrainerEngine):
         names = [n for n in self.params if n in self._gpt_names or n in hf_state]
         load_local_state({n: self.params[n] for n in names},
                          hf_to_megatron(hf_state, arch, self.tp_rank, self.tp, names=names,
-                                        layer_offset=self.layer_offset))
+                                        layer_offset=self.layer_offset, ep_rank=self.ep_rank, ep=self.ep))
         self._plan_weights()
         self.sharded = self.tp > 1 or self.pp > 1 or self.dp > 1
         self.optimizer_steps = self.consecutive_skips = 0
@@ -674,8 +730,12 @@ class MegatronEngine(TrainerEngine):
         """HF names (and global meta tensors) of one of this rank's Megatron parameters."""
         tensor = self.params[name] if tensor is None else tensor
         shard = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        return megatron_to_hf(name, [shard] * (self.tp if is_tensor_parallel(name) else 1), self.arch,
-                              self.layer_offset)
+        shards = [shard] * (self.tp if is_tensor_parallel(name) else 1)
+        if self.ep > 1 and is_expert(name):  # (every EP rank's expert of this local index)
+            per = self.arch.num_experts // self.ep
+            return [pair for e in range(self.ep)
+                    for pair in megatron_to_hf(name, shards, self.arch, self.layer_offset, expert_offset=e * per)]
+        return megatron_to_hf(name, shards, self.arch, self.layer_offset)
 
     def _plan_weights(self) -> None:
         """Every stage's parameters (Megatron name, HF names, global shapes) in stage order: what
@@ -717,6 +777,17 @@ class MegatronEngine(TrainerEngine):
         start, end = trim_padding_columns(attention_mask, response_width)
         prompt_width = input_ids.size(1) - response_width
         ids, positions, mask = input_ids[:, start:end], position_ids[:, start:end], attention_mask[:, start:end]
+        rows = ids.size(0)
+        if self.ep > 1:  # the all-gather token dispatcher needs as many tokens on every EP rank (rows, columns)
+            shape = torch.tensor([rows, end - start], device=self.device)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ep_group)
+            more_rows, more_columns = int(shape[0]) - rows, int(shape[1]) - (end - start)
+            if more_columns:
+                ids, mask = (torch.nn.functional.pad(t, (0, more_columns)) for t in (ids, mask))
+                positions = torch.cat((positions, positions[:, -1:] + torch.arange(1, more_columns + 1,
+                                                                                   device=self.device)), dim=1)
+            if more_rows:  # (all-padding rows: their outputs are dropped in `_outputs`)
+                ids, positions, mask = (torch.cat((t, t.new_zeros(more_rows, t.size(1)))) for t in (ids, positions, mask))
         multiple = (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
         pad = -(end - start) % multiple
         if pad:
@@ -726,15 +797,17 @@ class MegatronEngine(TrainerEngine):
         if self.cp > 1:
             cp_index = cp_positions(ids.size(1), self.cp, self.cp_rank, device=self.device)
             local_ids, positions = ids[:, cp_index], positions[:, cp_index]
-            return (local_ids, positions, mask, cp_index), (input_ids, start, end, prompt_width, response_width, ids, cp_index)
-        return (ids, positions, mask), (input_ids, start, end, prompt_width, response_width, ids, cp_index)
+            return (local_ids, positions, mask, cp_index), (input_ids, start, end, prompt_width, response_width, ids,
+                                                            cp_index, rows)
+        return (ids, positions, mask), (input_ids, start, end, prompt_width, response_width, ids, cp_index, rows)
 
     def _outputs(self, out: torch.Tensor, span: tuple, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
         """The last stage's output (logits [b, s, V] or values [b, s]) -> the response's [B, R] outputs."""
         from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
-        input_ids, start, end, prompt_width, response_width, padded_ids, cp_index = span
+        input_ids, start, end, prompt_width, response_width, padded_ids, cp_index, rows = span
         pad = response_width - (end - prompt_width)
+        out = out[:rows]  # (expert parallelism may have added all-padding rows)
         if cp_index is not None:
             return self._outputs_cp(out, span, temperature, with_entropy)
         if self.value_head:  # V before each response token: the previous column's hidden state
@@ -757,8 +830,9 @@ class MegatronEngine(TrainerEngine):
         loss; the engine sums the gradients over DP x CP."""
         from rlframe.algos import entropy_from_logits, log_probs_from_logits
 
-        input_ids, start, end, prompt_width, response_width, padded_ids, cp_index = span
+        input_ids, start, end, prompt_width, response_width, padded_ids, cp_index, rows = span
         pad = response_width - (end - prompt_width)
+        padded_ids = padded_ids[:rows]
         if self.value_head:  # V before each response token: the previous column's hidden state
             per_column = {"values": out}
             first = prompt_width - start - 1
@@ -807,8 +881,22 @@ class MegatronEngine(TrainerEngine):
         dist.broadcast_object_list(box, src=self.pp_ranks[-1], group=self.pp_group)
         return box[0]
 
+    def _check_micro_count(self, micros: list[DataProto]) -> None:
+        """Expert parallelism: every EP rank must run as many micro-batches (each is a round of the token
+        dispatcher's collectives)."""
+        if self.ep == 1:
+            return
+        counts = torch.tensor([len(micros), -len(micros)], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.ep_group)
+        if int(counts[0]) != -int(counts[1]):
+            raise ValueError(f"{self.name}: megatron.expert_model_parallel_size={self.ep} needs the same number of "
+                             f"micro-batches on every EP rank (here {len(micros)}, up to {int(counts[0])} on another): "
+                             "token budgets (actor.ppo_max_token_len_per_device, *log_prob_max_token_len_per_device) "
+                             "split the ranks' rows differently. Fix: set those to 0 (fixed micro-batch sizes)")
+
     def forward_micros(self, micros: list[DataProto], response_width: int, temperature: float,
                        with_entropy: bool) -> list[dict[str, torch.Tensor]]:
+        self._check_micro_count(micros)
         if self.pp == 1:
             return super().forward_micros(micros, response_width, temperature, with_entropy)
         outputs: list[dict[str, torch.Tensor]] = []
@@ -825,6 +913,7 @@ class MegatronEngine(TrainerEngine):
         """PP > 1: the same loss functions and normalisers, the micro-batches through the pipeline schedule.
         Each micro-batch's loss is already its share of the global mini-batch loss (the base loop's
         `backward(loss * world)` then divides by the world again: the same gradient)."""
+        self._check_micro_count(micros)
         if self.pp == 1:
             return super().accumulate_gradients(micros, response_width, loss_fn, agg, temperature, with_entropy)
         results: list[LossOutput] = []
@@ -858,16 +947,23 @@ class MegatronEngine(TrainerEngine):
         if self.embedding_group is not None:  # tied embeddings under PP: first stage's + last stage's gradient
             shared = named.get("embedding.word_embeddings.weight", named.get("output_layer.weight"))
             dist.all_reduce(shared.grad, group=self.embedding_group)
-        if self.dp > 1:
-            for p in named.values():
-                dist.all_reduce(p.grad, group=self.dp_group)
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = {n for n in named if self.ep > 1 and is_expert(n)}
         for name, p in named.items():
-            if not self._is_tied_copy(name) and (self.tp_rank == 0 or is_tensor_parallel(name)):
+            group = self.expert_dp_group if name in experts else self.dp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in named.items():
+            if name in experts:
+                expert_squares += p.grad.detach().double().pow(2).sum()
+            elif not self._is_tied_copy(name) and (self.tp_rank == 0 or is_tensor_parallel(name)):
                 squares += p.grad.detach().double().pow(2).sum()
         if self.mp_group is not None:  # TP shards and PP stages
             dist.all_reduce(squares, group=self.mp_group)
-        total = float(squares.sqrt())
+        if experts:  # each EP rank's own experts (TP shards, PP stages): over expert TP x EP x PP
+            dist.all_reduce(expert_squares, group=self.expert_mp_group)
+        total = float((squares + expert_squares).sqrt())
         coef = min(max_norm / (total + 1e-6), 1.0)
         for p in named.values():
             p.grad.mul_(coef)
@@ -881,6 +977,15 @@ class MegatronEngine(TrainerEngine):
         dist.all_gather(shards, tensor.detach().contiguous(), group=self.tp_group)
         return shards
 
+    def _over_ep(self, shards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """One local expert's TP shards on every EP rank (EP-rank order): [[shards of EP rank 0], ...]."""
+        gathered = []
+        for shard in shards:
+            pieces = [torch.empty_like(shard) for _ in range(self.ep)]
+            dist.all_gather(pieces, shard.contiguous(), group=self.ep_group)
+            gathered.append(pieces)
+        return [[pieces[e] for pieces in gathered] for e in range(self.ep)]
+
     def _iter_hf(self, local: Callable[[nn.Parameter], torch.Tensor], dtype: torch.dtype | None
                  ) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors of `local(param)` for every parameter of every stage, in plan order:
@@ -888,7 +993,12 @@ class MegatronEngine(TrainerEngine):
         pipeline group, one at a time."""
         params = self.params
         for stage, name, offset, metas in self.plan:
-            if stage == self.pp_rank:
+            if stage == self.pp_rank and self.ep > 1 and is_expert(name):  # every EP rank's expert of this index
+                per_ep = self._over_ep(self._gathered(name, local(params[name])))
+                per = self.arch.num_experts // self.ep
+                pairs = [pair for e, shards in enumerate(per_ep)
+                         for pair in megatron_to_hf(name, shards, self.arch, offset, expert_offset=e * per)]
+            elif stage == self.pp_rank:
                 pairs = megatron_to_hf(name, self._gathered(name, local(params[name])), self.arch, offset)
             else:
                 pairs = [(hf_name, torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
@@ -946,12 +1056,13 @@ class MegatronEngine(TrainerEngine):
         src = Path(in_dir)
         names = list(self.params)
         load_local_state(self.params, hf_to_megatron(_read_hf_state(str(src)), self.arch, self.tp_rank, self.tp,
-                                                     names=names, layer_offset=self.layer_offset))
+                                                     names=names, layer_offset=self.layer_offset,
+                                                     ep_rank=self.ep_rank, ep=self.ep))
         saved = torch.load(src / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
         params = self.params
         moments = {key: {n: s[key] for n, s in saved["state"].items() if key in s} for key in ADAM_STATE_KEYS}
         local = {key: hf_to_megatron(moments[key], self.arch, self.tp_rank, self.tp, names=names,
-                                     layer_offset=self.layer_offset)
+                                     layer_offset=self.layer_offset, ep_rank=self.ep_rank, ep=self.ep)
                  for key in ADAM_STATE_KEYS if moments[key]}
         for name, p in params.items():
             if not local or name not in local["exp_avg"]:
