@@ -297,7 +297,7 @@ class RolloutConfig:
     # thousands of concurrent requests, turn it off if exact resume does not matter to you).
     seed_each_sample: bool = True
     gpu_memory_utilization: float = 0.4
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: float = 1.0  # vLLM CPU KV cache (fractions allowed; pages released between generations)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # GPU only: CPU generators cannot rewind after a partial prefill
     max_num_batched_tokens: int = 4096

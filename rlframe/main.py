@@ -173,7 +173,7 @@ def init_ray(cfg: RLConfig) -> None:
     if ray.is_initialized():
         return
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # (the KV cache size reaches vLLM as an engine argument)
     # Join RAY_ADDRESS / trainer.ray_address (e.g. auto) or start a local cluster; trainer.runtime_env
     # (env vars, working dir) reaches every worker on every node.
     from rlframe.controller.cluster import connect, runtime_env

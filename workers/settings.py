@@ -190,7 +190,7 @@ class RolloutSettings:
     validation: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_new_tokens=64, temperature=0.0))
     seed: int = 0
     gpu_memory_utilization: float = 0.4
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 4096

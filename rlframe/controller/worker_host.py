@@ -60,6 +60,30 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _load_malloc_trim():
+    """glibc's malloc_trim, or None (another C library, or not Linux)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_freed_host_memory() -> None:
+    """Hand the memory the C allocator keeps after frees back to the OS (glibc's malloc_trim(0)).
+
+    Between calls a trainer process has freed the activations, logits and gradients of the phase
+    that just ended, but glibc keeps most of those pages (small and medium blocks live in its heaps
+    and arenas, whose free space is returned only at their top), so without this each phase starts
+    from the previous phase's high-water mark instead of its live memory. A few ms to ~0.1 s here."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def peak_rss_gib() -> float:
     """VmHWM of /proc/self/status (the peak resident set since start or the last reset) in GiB."""
     with open("/proc/self/status") as f:
@@ -164,6 +188,7 @@ class WorkerHost:
             raise self._error(error, _role, _method) from None
         finally:
             self.memory.stop(f"{_role}.{_method}")
+            release_freed_host_memory()
 
     def memory_peaks(self) -> dict[str, float]:
         """{"rss/<role>.<method>": GiB, "device/<role>.<method>": GiB} of the calls since the last read:

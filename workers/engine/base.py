@@ -208,6 +208,7 @@ class TrainerEngine(ABC):
                     for key, value in out.stats.items():
                         recorded.record(key, value)
                 recorded.record(f"{self.name}/grad_norm", self.guarded_step(first_bad))
+        self.optimizer.zero_grad(set_to_none=True)  # free the gradients until the next update, not after it
         metrics = recorded.means()
         # Terms were computed against global normalisers: summing over micro-batches and ranks gives
         # the mini-batch value; the per-step figure is the mean over mini-batches.

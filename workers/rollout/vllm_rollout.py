@@ -3,8 +3,11 @@
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that weight sync is a
 direct call into its model runner: the trainer streams `(name, tensor)` pairs, the engine reloads
 them, and its prefix cache is reset (a cached prefix computed with old weights would be stale).
-On GPU the engine sleeps while the trainer trains (weights and KV cache freed) and wakes for
-generation; the CPU backend has no sleep mode.
+On GPU the engine sleeps while the trainer trains (vLLM's sleep mode: weights and KV cache freed)
+and wakes for generation. vLLM's CPU backend has no sleep mode; there the engine releases the pages
+of its KV cache (and, when an update and a weight load follow, of its weights) back to the OS after
+each generation (`release_host_pages`), so the trainer's update does not share the process's memory
+with an idle engine: the same hand-over, without moving any tensor.
 
 With `lora` (adapter-only weight sync under LoRA) the engine runs the base model with vLLM's LoRA
 support: `load_adapter` writes the adapter tensors as a peft folder (in /dev/shm where there is
@@ -20,7 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -46,6 +49,55 @@ def _reload_weights(worker, weights) -> int:
 
     worker.model_runner.reload_weights(weights_iterator=counted())
     return count
+
+
+MADV_DONTNEED = 4  # Linux <sys/mman.h>
+
+
+def release_host_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Give the pages of these CPU tensors back to the OS, keeping the tensors (and their addresses):
+    madvise(MADV_DONTNEED) over the whole pages inside each storage. The memory reads as zeros until
+    written again, when the kernel maps fresh pages. This is the CPU form of vLLM's GPU sleep: the
+    engine's objects, including kernels that hold raw pointers to the weights, stay valid. Pages a
+    storage shares with a neighbouring allocation (its partial first and last page) are left alone.
+    Returns the bytes released."""
+    import ctypes
+    import mmap
+
+    madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, released, seen = mmap.PAGESIZE, 0, set()
+    for tensor in tensors:
+        if tensor is None or tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        pointer, size = storage.data_ptr(), storage.nbytes()
+        if pointer in seen or size < page:
+            continue
+        seen.add(pointer)
+        start, end = -(-pointer // page) * page, (pointer + size) // page * page
+        if end > start:
+            if madvise(start, end - start, MADV_DONTNEED) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on an engine tensor failed")
+            released += end - start
+    return released
+
+
+def _kv_cache_tensors(caches) -> Iterator[torch.Tensor]:
+    for cache in caches:
+        if isinstance(cache, torch.Tensor):
+            yield cache
+        elif isinstance(cache, (list, tuple)):
+            yield from _kv_cache_tensors(cache)
+
+
+def _release_engine_pages(worker, weights: bool) -> int:
+    """Runs inside vLLM's worker: release the KV cache's pages and, with `weights`, the model's."""
+    runner = worker.model_runner
+    tensors = list(_kv_cache_tensors(runner.kv_caches))
+    if weights:
+        tensors += list(runner.get_model().parameters())
+    return release_host_pages(tensors)
 
 
 def remove_stale_cpu_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
@@ -96,7 +148,7 @@ def _check_vision_language_support(model_path: str, trust_remote_code: bool) -> 
 
 class VLLMRollout:
     def __init__(self, model_path: str, profile: DeviceProfile, *, max_model_len: int, seed: int,
-                 pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: int = 1,
+                 pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: float = 1.0,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_num_batched_tokens: int = 4096, enable_sleep_mode: bool = True, enforce_eager: bool = True,
                  trust_remote_code: bool = False, lora: LoraSettings | None = None, tensor_parallel_size: int = 1):
@@ -104,13 +156,16 @@ class VLLMRollout:
         # vLLM's CPU backend pins OpenMP threads and freezes torch.set_num_threads; in a process that
         # also trains, that halves the trainer's throughput (measured: 531 vs 209 forward tok/s).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        # The KV cache size goes in as bytes (kv_cache_memory_bytes): vLLM's VLLM_CPU_KVCACHE_SPACE takes
+        # whole GiB only and, when set, overrides it.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from vllm import LLM
 
         _check_vision_language_support(model_path, trust_remote_code)
         self.profile = profile
         self.pad_token_id = pad_token_id
         self.sleep_enabled = enable_sleep_mode and profile.sleep_mode
+        self.releases_host_pages = enable_sleep_mode and not profile.is_gpu  # the CPU form of sleep
         if enable_chunked_prefill and not profile.is_gpu:
             # After a partial (chunked) prefill vLLM rewinds the request's seeded generator
             # (gpu_model_runner._bookkeeping_sync: gen.set_offset), which a CPU generator refuses
@@ -126,6 +181,8 @@ class VLLMRollout:
         )
         if profile.is_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        else:
+            kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gib * 2**30))
         if tensor_parallel_size > 1:  # one engine over tp ranks of the worker group's own process group
             if not profile.is_gpu:
                 remove_stale_cpu_shm_files()
@@ -215,22 +272,31 @@ class VLLMRollout:
             log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
         return build_rollout_batch(prompts, responses, log_probs, sampling.max_new_tokens, self.pad_token_id)
 
-    # GPU memory hand-over between trainer and engine
+    # Memory hand-over between trainer and engine
     def sleep(self, discard_weights: bool = False) -> None:
-        """Free the KV cache and the weights' device memory from the end of a generation until the next
-        one; a no-op where sleep mode is off (CPU). Level 1 copies the weights to host memory; level 2
-        (`discard_weights`, when new weights will be loaded before the next generation anyway) drops
-        them: no device-to-host copy of the whole model every step, no pinned host memory for it."""
-        if self.sleep_enabled and not self.asleep:
-            level = 2 if discard_weights and self.lora_request is None and self.lora is None else 1
+        """Free the KV cache and the weights' memory from the end of a generation until the next one; a
+        no-op with `enable_sleep_mode` off. On GPU (vLLM's sleep mode) level 1 copies the weights to host
+        memory; level 2 (`discard_weights`, when new weights will be loaded before the next generation
+        anyway) drops them: no device-to-host copy of the whole model every step, no pinned host memory
+        for it. On CPU the KV cache's pages, and at level 2 the weights', go back to the OS."""
+        if self.asleep:
+            return
+        level = 2 if discard_weights and self.lora_request is None and self.lora is None else 1
+        if self.sleep_enabled:
             self.llm.sleep(level=level)
             self.asleep_tags = {"weights", "kv_cache"}
-            self.weights_discarded = level == 2
+        elif self.releases_host_pages:  # CPU: the pages go back to the OS; level 1 keeps the weights
+            self.llm.collective_rpc(_release_engine_pages, args=(level == 2,))
+            self.llm.reset_prefix_cache()  # the released blocks read as zeros now
+            self.asleep_tags = {"weights", "kv_cache"} if level == 2 else {"kv_cache"}
+        else:
+            return
+        self.weights_discarded = level == 2
 
     def wake_up(self, tags: list[str]) -> None:
         """Map back what `tags` names and is asleep, each once: weights before a load, both before
         generating (waking the weights again would re-map them over the freshly loaded ones)."""
         waking = [tag for tag in tags if tag in self.asleep_tags]
-        if waking:
+        if waking and self.sleep_enabled:
             self.llm.wake_up(tags=waking)
-            self.asleep_tags -= set(waking)
+        self.asleep_tags -= set(waking)  # CPU: released pages come back as they are written
