@@ -462,6 +462,7 @@ class MegatronConfig:
     context_parallel_size: int = 1  # CP: each sequence split into 2 x CP chunks (load-balanced), key/value all-gathered
     sequence_parallel: bool = False  # Megatron's sequence parallelism (needs TP > 1): norms / residuals split along the sequence
     expert_model_parallel_size: int = 1  # EP (Qwen2-MoE / Mixtral): must divide the experts and the data-parallel x CP ranks
+    expert_model_parallel_size: int = 1  # EP (Qwen2-MoE / Mixtral): must divide the experts and the data-parallel x CP ranks
 
 
 @dataclass
@@ -843,18 +844,25 @@ def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> Non
     mg, world = cfg.megatron, cfg.actor.world_size
     sizes = {"tensor_model_parallel_size": mg.tensor_model_parallel_size,
              "pipeline_model_parallel_size": mg.pipeline_model_parallel_size,
-             "context_parallel_size": mg.context_parallel_size}
+             "context_parallel_size": mg.context_parallel_size,
+             "expert_model_parallel_size": mg.expert_model_parallel_size}
     for key, size in sizes.items():
         need(isinstance(size, int) and size >= 1, f"megatron.{key}", f"{size!r}: must be an integer >= 1")
     if not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
         return
-    tp, pp, cp = sizes.values()
+    tp, pp, cp, ep = sizes.values()
     need(world % (tp * pp * cp) == 0, "actor.world_size",
          f"{world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp} (the rest is data "
          f"parallelism). Fix: actor.world_size={tp * pp * cp} (or a multiple), or smaller megatron.* sizes")
     need(not mg.sequence_parallel or tp > 1, "megatron.sequence_parallel",
          "needs megatron.tensor_model_parallel_size > 1 (it splits along the sequence what TP replicates). "
          "Fix: megatron.sequence_parallel=false, or TP > 1")
+    need(world % (tp * pp * ep) == 0, "megatron.expert_model_parallel_size",
+         f"{ep}: the experts are split over EP ranks taken from the data-parallel ranks, so actor.world_size={world} "
+         f"must be divisible by TP x PP x EP = {tp * pp * ep}. Fix: a divisor of {world // (tp * pp)}")
+    need(ep == 1 or cp == 1, "megatron.expert_model_parallel_size",
+         f"{ep} with context_parallel_size={cp}: expert parallelism under context parallelism is not run here. "
+         "Fix: one of them 1")
     need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
          "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
     folder = _local_model_dir(model_dir or cfg.model.path)
@@ -874,6 +882,20 @@ def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> Non
              "Fix: a common divisor of both")
         need(layers % pp == 0, "megatron.pipeline_model_parallel_size",
              f"{pp} does not divide the model's {layers} layers. Fix: a divisor of {layers}")
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        need(ep == 1 or (experts and experts % ep == 0), "megatron.expert_model_parallel_size",
+             f"{ep} does not divide the model's {experts} routed experts" + (" (a dense model)" if not experts else "")
+             + ". Fix: " + (f"a divisor of {experts}" if experts else "1"))
+        need(not experts or tp == 1 or mg.sequence_parallel, "megatron.sequence_parallel",
+             f"false with an MoE model at TP={tp}: megatron-core 0.16 refuses MoE x TP without sequence "
+             "parallelism in training. Fix: megatron.sequence_parallel=true")
+        hf_rollout = cfg.rollout.engine == "hf" or (cfg.rollout.engine == "auto"
+                                                    and importlib.util.find_spec("vllm") is None)
+        need(not experts or not hf_rollout, "rollout.engine",
+             f"{cfg.rollout.engine} (the HF engine) with an MoE model on the megatron engine: its weight sync streams "
+             "the checkpoint's per-expert names (experts.N.gate_proj, what vLLM loads), while transformers holds "
+             "fused expert tensors (experts.gate_up_proj), so the experts would not sync. Fix: rollout.engine=vllm, "
+             "or actor.strategy=fsdp")
 
 
 def _local_model_dir(path: str) -> str | None:

@@ -162,3 +162,49 @@ def test_moe_ep2_two_ranks_equals_fsdp(ray_session, moe_model_dir, tmp_path, moe
         group.shutdown()
         pool.remove()
     assert_moe_update(moe_fsdp_reference, ours)
+
+
+def test_moe_validation(moe_model_dir, tiny_model_dir):
+    from test_megatron import megatron_cfg, problems
+
+    from rlframe.config import validate_config
+
+    cfg = megatron_cfg(moe_model_dir, world_size=2, tp=1)
+    cfg.megatron.expert_model_parallel_size = 2
+    validate_config(cfg)  # 4 experts over 2 ranks
+    cfg.megatron.expert_model_parallel_size = 3
+    message = problems(cfg)
+    assert "megatron.expert_model_parallel_size: 3: the experts are split over EP ranks taken from the data" in message
+    assert "megatron.expert_model_parallel_size: 3 does not divide the model's 4 routed experts. Fix: a divisor" in message
+    dense = megatron_cfg(tiny_model_dir, world_size=2, tp=1)
+    dense.megatron.expert_model_parallel_size = 2
+    assert "2 does not divide the model's 0 routed experts (a dense model). Fix: 1" in problems(dense)
+    with_cp = megatron_cfg(moe_model_dir, world_size=4, tp=1, cp=2)
+    with_cp.megatron.expert_model_parallel_size = 2
+    assert "expert parallelism under context parallelism is not run here" in problems(with_cp)
+    tp2 = megatron_cfg(moe_model_dir, world_size=2, tp=2)
+    assert "megatron.sequence_parallel: false with an MoE model at TP=2" in problems(tp2)
+    tp2.megatron.sequence_parallel = True
+    tp2.rollout.engine = "vllm"
+    validate_config(tp2)
+    tp2.rollout.engine = "hf"
+    assert "rollout.engine: hf (the HF engine) with an MoE model on the megatron engine" in problems(tp2)
+
+
+@pytest.mark.slow  # (4 ranks on the 2 cores: ~1-2 min each)
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}], ids=["ep2_tp2_sp", "ep2_pp2"])
+def test_moe_ep2_four_ranks_equals_fsdp(ray_session, moe_model_dir, tmp_path, moe_fsdp_reference, parallel):
+    """EP=2 with TP=2 + sequence parallelism (the experts' fc1 / fc2 split over TP as the dense MLP; megatron-core
+    refuses MoE x TP without SP in training) and with PP=2 (one MoE layer per stage)."""
+    from test_megatron import tiny_batch
+
+    cfg = actor_config(moe_model_dir, 4, 2, **parallel)
+    cfg.megatron.expert_model_parallel_size = 2
+    cfg.megatron.sequence_parallel = "tp" in parallel
+    pool, group, actor = start_actor(cfg, moe_model_dir, "megatron_ep2_four")
+    try:
+        ours = update(actor, tiny_batch(moe_model_dir), tmp_path / "ep2_four")
+    finally:
+        group.shutdown()
+        pool.remove()
+    assert_moe_update(moe_fsdp_reference, ours)

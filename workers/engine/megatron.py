@@ -1,12 +1,12 @@
-"""The Megatron-core trainer engine (`actor.strategy=megatron`): tensor, pipeline, sequence and context
-parallelism for the actor, the reference policy and the critic.
+"""The Megatron-core trainer engine (`actor.strategy=megatron`): tensor, pipeline, sequence, context and
+expert parallelism for the actor, the reference policy and the critic (dense and MoE models).
 
     engine = MegatronEngine(settings, profile, name="actor")   # via build_engine(...)
 
 Same interface and the same update loop as the FSDP engine (`base.TrainerEngine`, the loss functions
 of rlframe/algos): what changes is the model.
 
-- The HF checkpoint (Llama / Qwen2 family; anything else is a ValueError naming the architecture) is
+- The HF checkpoint (Llama / Qwen2 family, Qwen2-MoE, Mixtral; anything else is a ValueError naming the architecture) is
   converted into a Megatron-core `GPTModel` built with the transformer-engine-free local layer spec
   (`megatron_convert.py`: fused QKV and gate/up, TP shards, layers renumbered per pipeline stage). Core
   attention is torch's SDPA (`SDPACoreAttention`) with our padding + causal mask, which is what runs on
@@ -67,14 +67,31 @@ of rlframe/algos): what changes is the model.
   names), so they export with `python -m rlframe.export` and resume at another TP / PP size or on the
   FSDP engine.
 
+- Mixture of experts (Qwen2-MoE with its sigmoid-gated shared expert, Mixtral; every layer MoE): megatron-core's
+  MoELayer from the local spec (SequentialMLP experts; router -> `mlp.router`, each expert's gate/up -> its
+  `linear_fc1`, down -> `linear_fc2`, the shared expert and its gate -> `mlp.shared_experts`). Routing as HF:
+  Qwen2-MoE's softmax over all experts then top-k without renormalisation (norm_topk_prob=False) is
+  `moe_router_pre_softmax`; renormalised top-k (Mixtral, norm_topk_prob=True) is Megatron's default. No
+  load-balancing loss (`moe_router_load_balancing_type="none"`): the FSDP engine's HF forward computes none
+  either (transformers adds it only with output_router_logits and labels), so both optimise the same
+  objective. Token dispatcher: "allgather" (megatron-core 0.16's "alltoall" creates a `torch.cuda.Stream` in
+  its constructor). Expert parallelism (`megatron.expert_model_parallel_size`): the EP ranks are
+  data-parallel ranks holding `experts / EP` experts each; micro-batches are padded to the EP group's
+  largest (rows, columns) since the dispatcher all-gathers equal token counts; expert gradients already
+  sum over the EP group's rows (the dispatcher's backward) and are all-reduced over the expert-data-parallel
+  group only; the gradient norm adds the experts' squares over expert TP x EP x PP. Weight sync and
+  checkpoints gather each local expert over EP and emit the checkpoint's per-expert HF names (what vLLM
+  loads). megatron-core 0.16.1 fixes: moe_utils refers to `te_general_gemm`, bound only when
+  transformer-engine imports (NameError without it: bound to None here), and the router moves its weight to
+  `torch.cuda.current_device()` on first use (redirected on CPU). megatron-core refuses MoE x TP without
+  sequence parallelism in training (validated).
+
 Not here (config validation says so before any worker starts):
 - ring attention: CP all-gathers the whole key/value sequence on every rank (memory O(S) for K/V per
   layer, activations and logits O(S / CP)); TE's p2p ring exchange is not reproduced.
-- expert parallelism / MoE: the conversion covers dense Llama / Qwen2 only (Qwen2-MoE, Mixtral are
-  refused by name: router, per-expert and shared-expert weights, the router's softmax / top-k order
-  and its auxiliary loss are not mapped). On CPU, megatron-core 0.16's alltoall token dispatcher (the
-  usual one for EP > 1) creates a `torch.cuda.Stream` in its constructor; its all-gather dispatcher
-  was not tried over gloo.
+- MoE: dense layers among MoE ones (Qwen2-MoE's decoder_sparse_step / mlp_only_layers), Mixtral's router
+  jitter, grouped GEMM, the alltoall / flex dispatchers, EP x CP; the HF rollout engine (transformers holds
+  fused expert tensors, the sync streams per-expert names: refused, use vLLM).
 - activation recompute, virtual pipeline stages (interleaving).
 
 PPO's critic (`head="value"`): the same GPT body without its LM head (embedding -> decoder with the
