@@ -462,7 +462,6 @@ class MegatronConfig:
     context_parallel_size: int = 1  # CP: each sequence split into 2 x CP chunks (load-balanced), key/value all-gathered
     sequence_parallel: bool = False  # Megatron's sequence parallelism (needs TP > 1): norms / residuals split along the sequence
     expert_model_parallel_size: int = 1  # EP (Qwen2-MoE / Mixtral): must divide the experts and the data-parallel x CP ranks
-    expert_model_parallel_size: int = 1  # EP (Qwen2-MoE / Mixtral): must divide the experts and the data-parallel x CP ranks
 
 
 @dataclass

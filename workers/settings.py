@@ -88,7 +88,6 @@ class MegatronSettings:
     context_parallel_size: int = 1  # (validated; our SDPA core attention exchanges key/value blocks over CP ranks)
     sequence_parallel: bool = False  # Megatron's sequence parallelism (TP > 1): activations split along the sequence
     expert_model_parallel_size: int = 1  # EP (MoE models): the routed experts split over data-parallel ranks
-    expert_model_parallel_size: int = 1  # EP (MoE models): the routed experts split over data-parallel ranks
 
 
 @dataclass(frozen=True)
