@@ -149,19 +149,32 @@ def test_moe_ep1_update_equals_fsdp(moe_model_dir, tmp_path, moe_fsdp_reference)
 
 
 @pytest.mark.slow  # (~40 s on a quiet machine)
-def test_moe_ep2_two_ranks_equals_fsdp(ray_session, moe_model_dir, tmp_path, moe_fsdp_reference):
-    """EP=2 on 2 ranks (each holds 2 of the 4 experts; the ranks are data-parallel for everything else)."""
-    from test_megatron import tiny_batch
+def test_moe_ep2_two_ranks_equals_fsdp_and_checkpoint_resumes(ray_session, moe_model_dir, tmp_path, moe_fsdp_reference):
+    """EP=2 on 2 ranks (each holds 2 of the 4 experts; the ranks are data-parallel for everything else): FSDP's
+    update; then save (experts and their Adam moments gathered over EP), update, load, update again: the same."""
+    from safetensors.torch import load_file
+    from test_megatron import assert_same_weights, opposite_advantages, tiny_batch
 
     cfg = actor_config(moe_model_dir, 2, 2)
     cfg.megatron.expert_model_parallel_size = 2
+    batch = tiny_batch(moe_model_dir)
     pool, group, actor = start_actor(cfg, moe_model_dir, "megatron_ep2")
     try:
-        ours = update(actor, tiny_batch(moe_model_dir), tmp_path / "ep2")
+        ours = update(actor, batch, tmp_path / "ep2")
+        actor.save_checkpoint(str(tmp_path / "checkpoint"))
+        continued = actor.update_actor(opposite_advantages(batch)).meta_info["metrics"]
+        actor.save_hf(str(tmp_path / "continued"))
+        actor.load_checkpoint(str(tmp_path / "checkpoint"))
+        resumed = actor.update_actor(opposite_advantages(batch)).meta_info["metrics"]
+        actor.save_hf(str(tmp_path / "resumed"))
     finally:
         group.shutdown()
         pool.remove()
     assert_moe_update(moe_fsdp_reference, ours)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert resumed[key] == pytest.approx(continued[key], rel=1e-6), key
+    assert_same_weights(load_file(str(tmp_path / "continued" / "model.safetensors")),
+                        load_file(str(tmp_path / "resumed" / "model.safetensors")))
 
 
 def test_moe_validation(moe_model_dir, tiny_model_dir):
