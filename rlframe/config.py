@@ -436,7 +436,9 @@ class TrainerConfig:
     # the trainer updates on step k's; the weights reach the engines between steps. Each sample records
     # the version of the weights that generated it (policy_version = updates applied); the staleness
     # (trainer version - sample version, async/staleness_max) never exceeds max_staleness (0: generate
-    # after each sync, as the synchronous loop; 1: one step ahead). Corrected by algorithm.off_policy_correction.
+    # after each sync, as the synchronous loop; 1: one step ahead; k >= 2: k steps ahead, the weights staged in
+    # Ray's object store and loaded by the engines between generations, so the trainer never waits for them to
+    # finish generating). Corrected by algorithm.off_policy_correction.
     async_rollout: bool = False
     max_staleness: int = 1
 
@@ -1022,9 +1024,9 @@ def _validate_async(cfg: RLConfig, need) -> None:
          f"'{algo.off_policy_correction}' is not one of {', '.join(OFF_POLICY_CORRECTIONS)}")
     need(_is_number(algo.tis_cap) and algo.tis_cap >= 1.0, "algorithm.tis_cap",
          f"{algo.tis_cap} must be a number >= 1 (a cap below 1 down-weights even on-policy tokens). Fix: 2.0")
-    need(t.max_staleness in (0, 1), "trainer.max_staleness",
-         f"{t.max_staleness}: the asynchronous loop generates at most one step ahead (0: after each sync, as the "
-         "synchronous loop; 1: one step ahead). Fix: trainer.max_staleness=1 (or 0)")
+    need(isinstance(t.max_staleness, int) and t.max_staleness >= 0, "trainer.max_staleness",
+         f"{t.max_staleness}: the steps the asynchronous loop generates ahead must be a whole number >= 0 (0: after "
+         "each sync, as the synchronous loop; 1: one step ahead; k: k steps ahead). Fix: trainer.max_staleness=1")
     if not t.async_rollout:
         return
     # Without a correction the update treats samples of older weights as on-policy (what several peers' async
@@ -1080,6 +1082,10 @@ def _validate_partial(cfg: RLConfig, need) -> None:
          f"{partial.oversample_batches}: a step trains one batch of finished groups; at least one more batch must be in "
          "flight to hold responses back. Fix: rollout.partial.oversample_batches=1")
     depth = t.max_staleness if t.async_rollout else 0
+    need(depth <= 1, key,
+         f"partial rollouts continue held-back responses in the next generation, so at most one generation may be in "
+         f"flight (trainer.max_staleness={depth} sends {depth}). Fix: trainer.max_staleness=1, or "
+         "rollout.partial.enable=false")
     need(partial.max_token_staleness >= depth + 1, "rollout.partial.max_token_staleness",
          f"{partial.max_token_staleness}: fresh tokens are already {depth} version(s) behind when trained "
          f"(trainer.max_staleness={depth if t.async_rollout else '0, synchronous'}); a held-back token is at least one "

@@ -89,7 +89,7 @@ def test_async_configuration_is_validated_before_workers_start():
     assert "trainer.async_rollout: generation overlaps the update only when the engines have devices of their own" \
         in message and "Fix: trainer.placement=disaggregated" in message
     assert "trainer.max_staleness: -1" in _problems(trainer__max_staleness=-1)
-    assert "trainer.max_staleness: 2" in _problems(trainer__max_staleness=2)
+    assert _problems(trainer__max_staleness=2) == ""  # k steps ahead (test_async_k_steps_ahead)
     assert "algorithm.tis_cap" in _problems(algorithm__tis_cap=0.5)
     assert "algorithm.off_policy_correction: 'is' is not one of auto, tis, none" in _problems(
         algorithm__off_policy_correction="is")
@@ -172,3 +172,29 @@ def test_async_one_step_off_policy(tmp_path, tiny_model_dir, engine):
         overlap = min(generation[1], this["update"][1]) - max(generation[0], this["update"][0])
         print(f"step {k}: update {this['update'][0]:.2f}..{this['update'][1]:.2f}s, generation of step {k + 1} "
               f"{generation[0]:.2f}..{generation[1]:.2f}s: {overlap:.2f}s of overlap", flush=True)
+
+
+@pytest.mark.slow
+def test_async_k_steps_ahead(tmp_path, tiny_model_dir):
+    """trainer.max_staleness=2: the generations of the next two steps are in flight; the weights are staged in the
+    object store and loaded by the engine between generations. Step k trains samples of version max(k-3, 0) with
+    the trainer at version k-1: staleness min(k-1, 2), never more; the driver never waits for the engine before
+    the sync."""
+    from conftest import read_metrics, run_tiny
+
+    run = [arg for arg in RUN if arg != "trainer.total_steps=3"] + ["trainer.total_steps=5"]
+    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", *run, "trainer.async_rollout=true",
+                          "trainer.max_staleness=2")
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    for m in metrics:
+        k = m["step"]
+        assert m["async/policy_version"] == k - 1
+        assert m["async/sample_version_min"] == m["async/sample_version_max"] == max(k - 3, 0)
+        assert m["async/staleness_max"] == min(k - 1, 2) <= 2
+        assert math.isfinite(m["actor/tis_weight_mean"]) and 0 < m["actor/tis_weight_mean"] <= 2.0
+    assert all(m["rollout/logprob_abs_diff"] > 1e-3 for m in metrics[1:])  # really older weights
+    timeline = read_timeline(run_dir)
+    for k in (1, 2, 3, 4):  # the weights are staged without waiting for the engine: no rollout_wait before a sync
+        assert "weight_sync" in timeline[k]
+        assert "rollout_wait" not in timeline[k] or timeline[k]["rollout_wait"][1] <= timeline[k]["update"][0]

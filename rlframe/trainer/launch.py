@@ -77,6 +77,15 @@ class DisaggregatedActorRollout:
                  "weight_sync/buckets": sent["buckets"], "weight_sync/bytes": sent["bytes"],
                  "weight_sync/loaded_per_engine": min(r["loaded"] for r in received)}]
 
+    def stage_weights(self, policy_version: int, _timeout=None, _load_timeout=None):
+        """Without waiting for the engines: the actor puts its weights in the object store and each engine loads
+        them after the generations already sent to it (trainer.max_staleness >= 2). Returns (metrics, the
+        engines' Future of their load)."""
+        start = time.perf_counter()
+        staged = next(refs for refs in self.actor.stage_weights(_timeout=_timeout) if refs)
+        loading = self.rollout.load_staged_weights(staged, policy_version, _blocking=False, _timeout=_load_timeout)
+        return {"timing/weight_sync_s": time.perf_counter() - start}, loading
+
     def load_checkpoint(self, in_dir, **kwargs):
         info = self.actor.load_checkpoint(in_dir, **kwargs)
         self.sync_weights(policy_version=self.policy_version)

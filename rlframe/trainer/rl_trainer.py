@@ -156,7 +156,8 @@ class RLTrainer:
                                to_container(cfg), total_steps=cfg.trainer.total_steps)
         # trainer.async_rollout: generation runs this many steps ahead of the update (0: as the synchronous loop)
         self.async_depth = cfg.trainer.max_staleness if cfg.trainer.async_rollout else 0
-        self.ahead: PendingRollout | None = None  # the next step's generation, in flight on the engines
+        self.ahead: list[PendingRollout] = []  # the next steps' generations, in flight on the engines (oldest first)
+        self.weight_loads: list = []  # max_staleness >= 2: the engines' loads of staged weights, queued (Futures)
         self.policy_version = 0  # actor updates applied so far: the version of the trainer's weights
         # rollout.partial: responses generated a budget at a time across steps (rlframe/trainer/partial.py)
         self.partial = pool_from_config(cfg, model_path)
@@ -230,12 +231,12 @@ class RLTrainer:
 
     def save_checkpoint(self, step: int) -> None:
         # (the prompts of a generation in flight are drawn again after a resume)
-        sampler = self.ahead.sampler_state if self.ahead is not None else self.sampler.state_dict()
+        sampler = self.ahead[0].sampler_state if self.ahead else self.sampler.state_dict()
         driver_state = {"sampler": sampler, "val_before": self.first_val,
                         "last_metrics": self.last_metrics, "kl_coef": getattr(self.kl_ctrl, "value", None)}
         if self.partial is not None:  # the held-back responses (not the groups of a generation in flight)
             driver_state["partial_pool"] = self.partial.state_dict(
-                exclude=set(self.ahead.partial_drawn) if self.ahead is not None else set())
+                exclude={uid for pending in self.ahead for uid in pending.partial_drawn})
         t = self.cfg.trainer
         checkpoint.save_checkpoint(self.workers, self.run_dir, step, driver_state,
                                    OmegaConf.to_yaml(OmegaConf.structured(self.cfg)), keep=t.max_checkpoints_to_keep,
@@ -262,7 +263,7 @@ class RLTrainer:
     def train(self, start_step: int) -> dict:
         cfg = self.cfg
         timeouts = cfg.trainer.timeouts
-        self.ahead, self.policy_version = None, self.updates_after(start_step)
+        self.ahead, self.weight_loads, self.policy_version = [], [], self.updates_after(start_step)
         if start_step == 0 and cfg.trainer.val_before_train and self.val_set:
             self.first_val = self.validate()
             self.tracker.log(0, self.first_val)
@@ -271,8 +272,8 @@ class RLTrainer:
             step_start = time.perf_counter()
             self.phase_times, self.timeline = {}, []
             batch, reward_metrics, scores = self.rollout_batch(step)
-            if self.async_depth and step < cfg.trainer.total_steps:  # the engines start on the next batch now
-                self.ahead = self.start_generation(step + 1)
+            if self.async_depth and step < cfg.trainer.total_steps:  # the engines start on the next batch(es) now
+                self.launch_ahead(step)
             reward_metrics.update(self.staleness_metrics(batch))
             if cfg.trainer.balance_batch:
                 order = balanced_order(batch, cfg.actor.world_size)
@@ -300,10 +301,14 @@ class RLTrainer:
                 with self.timed("update"):
                     train_metrics.update(self.actor_rollout.update_actor(batch, _timeout=timeouts.update).meta_info["metrics"])
                 self.policy_version += 1
-            self.finish_generation_ahead()  # the engines are idle before they receive weights
+            if self.async_depth < 2:
+                self.finish_generation_ahead()  # the engines are idle before they receive weights
             if step > cfg.trainer.critic_warmup:
                 with self.timed("weight_sync"):
-                    sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync, **self.version_arg())[0]
+                    if self.async_depth >= 2:  # staged: the engines load them after the generations already sent
+                        sync = self.stage_weights()
+                    else:
+                        sync = self.actor_rollout.sync_weights(_timeout=timeouts.weight_sync, **self.version_arg())[0]
                 train_metrics["weight_sync/seconds"] = sync["timing/weight_sync_s"]
                 if "weight_sync/bytes" in sync:
                     train_metrics["weight_sync/bytes"] = float(sync["weight_sync/bytes"])
@@ -328,6 +333,7 @@ class RLTrainer:
             self.last_metrics = metrics
             if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
                 self.save_checkpoint(step)
+        self.check_weight_loads(wait=True)
         summary = {"run_dir": str(self.run_dir), "val_before": self.first_val, "val_after": {
             k: v for k, v in self.last_metrics.items() if k.startswith("val/")}}
         if cfg.trainer.export_hf:
@@ -377,9 +383,16 @@ class RLTrainer:
         """Next prompts -> n samples each -> their scores, pending in a thread when `overlap`
         (+ ReMax's greedy baseline, DAPO's overlong shaping)."""
         cfg = self.cfg
-        if self.ahead is not None and self.ahead.step == step:  # generated while the previous step trained
-            pending, self.ahead = self.ahead, None
-            batch = self.take_generation(pending)
+        if self.ahead and self.ahead[0].step == step:  # generated while the previous step(s) trained
+            pending = self.ahead.pop(0)
+            if pending.span is None:  # max_staleness >= 2: not waited for before the sync, maybe not yet done
+                with self.timed("rollout_wait"):
+                    batch = self.take_generation(pending)
+                self.check_weight_loads()
+                generating = pending.result.meta_info.get("timing/generate_rank0", 0.0)
+                pending.span = (pending.started, pending.started + generating)  # (from its launch; it may have queued)
+            else:
+                batch = self.take_generation(pending)
             self.record_phase("rollout", *pending.span)  # (it ran during the previous step)
         else:
             pending = self.start_generation(step)
@@ -435,7 +448,7 @@ class RLTrainer:
         """Asynchronous loop: wait until the engines have generated the next step's batch (they must be idle
         before they receive weights). timing/rollout_wait: the driver's wait; the generation's own span
         (from its start, in the previous step) goes to the next step's timeline as `rollout`."""
-        pending = self.ahead
+        pending = self.ahead[0] if self.ahead else None
         if pending is None or pending.result is not None or pending.generation is None:
             return
         with self.timed("rollout_wait"):
@@ -445,6 +458,33 @@ class RLTrainer:
                 raise fault.annotate(error, "rollout", pending.step, getattr(self, "workers", None))
         generating = pending.result.meta_info.get("timing/generate_rank0", time.perf_counter() - pending.started)
         pending.span = (pending.started, pending.started + generating)
+
+    def launch_ahead(self, step: int) -> None:
+        """Asynchronous loop: keep the generations of steps step+1 .. step+max_staleness in flight (each sent once,
+        in order; the engines run them one after another)."""
+        last = self.ahead[-1].step if self.ahead else step
+        for ahead_step in range(last + 1, min(step + self.async_depth, self.cfg.trainer.total_steps) + 1):
+            self.ahead.append(self.start_generation(ahead_step))
+
+    def stage_weights(self) -> dict:
+        """trainer.max_staleness >= 2: the actor puts its weights in Ray's object store and the engines load them
+        after the generations already sent to them (recording the new version); neither side waits for the other.
+        A step's samples are then generated by weights at most max_staleness updates old (async/staleness_max)."""
+        timeouts = self.cfg.trainer.timeouts
+        queued = None if timeouts.rollout is None or timeouts.weight_sync is None else (
+            len(self.ahead) * timeouts.rollout + timeouts.weight_sync)
+        sync, loading = self.actor_rollout.stage_weights(self.policy_version, _timeout=timeouts.weight_sync,
+                                                         _load_timeout=queued)
+        self.weight_loads.append(loading)
+        return sync
+
+    def check_weight_loads(self, wait: bool = False) -> None:
+        """Surface a failed load of staged weights (max_staleness >= 2); with `wait`, wait for every queued one."""
+        while self.weight_loads and (wait or self.weight_loads[0].done()):
+            try:
+                self.weight_loads.pop(0).result()
+            except WorkerError as error:
+                raise fault.annotate(error, "weight_sync", self.step, getattr(self, "workers", None))
 
     def staleness_metrics(self, batch: DataProto) -> dict[str, float]:
         """async/staleness_{max,mean}: the trainer's version - the version of the weights that generated each sample

@@ -201,6 +201,19 @@ class ActorWorker(ActorRolloutWorker):
         return {**stats, "seconds": time.perf_counter() - start}
 
     @register(Dispatch.ONE_TO_ALL)
+    def stage_weights(self) -> list:
+        """Every rank unshards; rank 0 puts a CPU copy of the full weights into Ray's object store and returns
+        [its ref] (other ranks: []). The engines load it when they reach it (trainer.max_staleness >= 2): the
+        trainer does not wait for them to finish generating."""
+        weights = self.engine.iter_full_weights(dtype=self.profile.dtype)
+        if rank() != 0:
+            for _ in weights:
+                pass
+            return []
+        with torch.no_grad():
+            return [ray.put([(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights])]
+
+    @register(Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict:
         raise RuntimeError("disaggregated placement: weights reach the engines by broadcast_weights (the driver "
                            "calls it with the rollout group's receive_weights)")

@@ -65,6 +65,15 @@ class RolloutWorker:
                                        bucket_bytes=bucket_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
+    def load_staged_weights(self, staged: list, policy_version: int) -> dict:
+        """Load the weights the actor staged in the object store (`staged`: [ref]), queued behind the generations
+        sent before it: the samples generated after it record `policy_version`."""
+        start = time.perf_counter()
+        loaded = self.rollout.load_weights(iter(ray.get(staged[0])))
+        self.policy_version = int(policy_version)
+        return {"loaded": loaded, "seconds": time.perf_counter() - start}
+
+    @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, policy_version: int | None = None) -> dict:
         """Load the broadcast weights; `policy_version`: theirs (the actor updates behind them), when known."""
         start = time.perf_counter()
