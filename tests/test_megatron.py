@@ -338,7 +338,7 @@ def test_grpo_two_steps_on_megatron_tp2(tmp_path, tiny_model_dir, placement):
     grpo_two_steps(tmp_path, tiny_model_dir, placement, tp=2, pp=1)
 
 
-def grpo_two_steps(tmp_path, tiny_model_dir, placement: str, tp: int, pp: int) -> None:
+def grpo_two_steps(tmp_path, tiny_model_dir, placement: str, tp: int, pp: int, *extra: str) -> None:
     import json
     import math
     import subprocess
@@ -352,7 +352,7 @@ def grpo_two_steps(tmp_path, tiny_model_dir, placement: str, tp: int, pp: int) -
                           f"megatron.tensor_model_parallel_size={tp}", f"megatron.pipeline_model_parallel_size={pp}",
                           f"trainer.placement={placement}",
                           f"rollout.world_size={2 if placement == 'colocated' else 1}", "trainer.save_every=2", "actor.optim.lr=1e-3",
-                          f"reward.functions=[{{path:{reward}}}]")
+                          f"reward.functions=[{{path:{reward}}}]", *extra)
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for step in metrics[1:]:

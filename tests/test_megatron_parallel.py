@@ -12,8 +12,8 @@ updated weights rtol 1e-4, atol 2e-5 under TP as there):
 - `megatron.context_parallel_size=2` (2 ranks, 2 micro-batches): each sequence in 4 chunks, rank r holding
   chunks r and 3 - r, keys / values all-gathered, per-token log-probs gathered: FSDP's log-probs and update;
 - the chunk layout and the config validation of the new keys;
-- slow: the critic under both (2 ranks), and on 4 ranks TP=2 x CP=2, TP=2 + SP x CP=2, TP=2 + SP x PP=2 and
-  CP=2 x PP=2 (all FSDP's update).
+- slow: the critic under both (2 ranks); on 4 ranks TP=2 x CP=2, TP=2 + SP x CP=2, TP=2 + SP x PP=2 and
+  CP=2 x PP=2 (all FSDP's update); `rlframe.main` for 2 GRPO steps with TP=2 + SP and with CP=2.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from test_megatron import (actor_config, assert_same_as_fsdp, megatron_cfg, problems, start_actor,  # noqa: E402
-                           tiny_batch, update)
+from test_megatron import (actor_config, assert_same_as_fsdp, grpo_two_steps, megatron_cfg, problems,  # noqa: E402
+                           start_actor, tiny_batch, update)
 from test_megatron import fsdp_critic_reference, fsdp_reference  # noqa: E402,F401  (module fixtures, by name)
 
 
@@ -116,3 +116,12 @@ def test_four_rank_combinations_equal_fsdp(ray_session, tiny_model_dir, tmp_path
         group.shutdown()
         pool.remove()
     assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), ours, weight_atol=2e-5)
+
+
+@pytest.mark.slow  # (a 2-step run: ~2-3 min on the 2 cores)
+@pytest.mark.parametrize("tp,parallel", [(2, "megatron.sequence_parallel=true"), (1, "megatron.context_parallel_size=2")],
+                         ids=["tp2_sp", "cp2"])
+def test_grpo_two_steps_with_sequence_or_context_parallel(tmp_path, tiny_model_dir, tp, parallel):
+    """`python -m rlframe.main recipe=grpo_math_megatron` with TP=2 + SP and with CP=2 (actor and reference
+    policy; colocated HF rollout): the rollout's log-probs agree with the trainer's (< 1e-4) after each sync."""
+    grpo_two_steps(tmp_path, tiny_model_dir, "colocated", tp, 1, parallel)
