@@ -221,3 +221,17 @@ def test_moe_ep2_four_ranks_equals_fsdp(ray_session, moe_model_dir, tmp_path, mo
         group.shutdown()
         pool.remove()
     assert_moe_update(moe_fsdp_reference, ours)
+
+
+def test_moe_critic_equals_fsdp(moe_model_dir):
+    """PPO's critic on the MoE body (the value head on the Megatron MoE decoder), 2 micro-batches: the FSDP
+    critic's update on the same Qwen2-MoE checkpoint."""
+    from test_megatron import assert_same_critic_update, critic_batch, critic_settings_for
+
+    from rlframe.workers.roles.critic import CriticWorker
+
+    fsdp = CriticWorker(critic_settings_for(moe_model_dir, "fsdp", world_size=1, micro=4))
+    reference = (fsdp.update_critic(critic_batch()).meta_info["metrics"], fsdp.compute_values(critic_batch()).batch["values"])
+    critic = CriticWorker(critic_settings_for(moe_model_dir, "megatron", world_size=1, micro=2))
+    metrics = critic.update_critic(critic_batch()).meta_info["metrics"]
+    assert_same_critic_update(reference, metrics, critic.compute_values(critic_batch()).batch["values"])
