@@ -239,8 +239,14 @@ def attention_mask_for(attention_mask: torch.Tensor) -> torch.Tensor:
 def local_attention_mask(attention_mask: torch.Tensor, cp_index: torch.Tensor | None) -> torch.Tensor:
     """`attention_mask_for` the padded sequence; under context parallelism the rows of this rank's queries
     (`cp_index`, global columns) against every key in column order (what `SDPACoreAttention` gathers)."""
-    mask = attention_mask_for(attention_mask)
-    return mask if cp_index is None else mask[:, :, cp_index, :]
+    if cp_index is None:
+        return attention_mask_for(attention_mask)
+    # (only this rank's query rows: [b, 1, S / CP, S], not the whole [b, 1, S, S])
+    columns = torch.arange(attention_mask.size(1), device=attention_mask.device).unsqueeze(0)
+    queries = cp_index.unsqueeze(1)
+    allowed = (columns <= queries).unsqueeze(0) & attention_mask.bool().unsqueeze(1)
+    allowed |= (columns == queries).unsqueeze(0)
+    return (~allowed).unsqueeze(1)
 
 
 # ------------------------------------------------------------------------------------ the model
