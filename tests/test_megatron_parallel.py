@@ -53,6 +53,13 @@ def test_validation_of_sequence_and_context_parallel(tiny_model_dir):
     validate_config(cfg)  # CP=2 on 2 ranks runs
     cfg = megatron_cfg(tiny_model_dir, world_size=2, tp=1, pp=2, cp=2)
     assert "actor.world_size: 2 is not divisible by TP x PP x CP = 1 x 2 x 2 = 4" in problems(cfg)
+    from rlframe.main import compose_config
+    from rlframe.trainer.worker_settings import actor_settings
+
+    cfg = compose_config(["recipe=grpo_math_megatron", f"model.path={tiny_model_dir}", "megatron.sequence_parallel=true",
+                          "megatron.context_parallel_size=2", "megatron.expert_model_parallel_size=2"])
+    engine = actor_settings(cfg, str(tiny_model_dir)).engine.megatron  # (the keys reach the engine)
+    assert engine.sequence_parallel and engine.context_parallel_size == 2 and engine.expert_model_parallel_size == 2
 
 
 def parallel_update(tiny_model_dir, tmp_path, name: str, **megatron):

@@ -1,4 +1,5 @@
-"""HF Llama / Qwen2 checkpoints <-> Megatron-core GPT parameters (local layer spec), with TP sharding.
+"""HF Llama / Qwen2 / Qwen2-MoE / Mixtral checkpoints <-> Megatron-core GPT parameters (local layer spec), with
+TP (and, for the experts, EP) sharding.
 
 Pure tensor code (no process group): the Megatron engine (`megatron.py`) and its tests use it.
 
@@ -18,6 +19,13 @@ Megatron's fused layouts:
 - `word_embeddings` / `output_layer` (vocab parallel): rows split; the vocabulary is padded to a
   multiple of `tp` with zero rows (dropped again on the way back; logits past the real vocabulary are
   never used).
+- MoE layers (every layer of a Qwen2-MoE / Mixtral): `mlp.router.weight` <- the HF router (`mlp.gate`,
+  `block_sparse_moe.gate`), replicated; each routed expert's gate/up -> `mlp.experts.local_experts.j.linear_fc1`
+  (gate_up as above), down -> `linear_fc2` (row), local expert j of EP rank e being global expert
+  `e * experts / EP + j`; Qwen2-MoE's shared expert -> `mlp.shared_experts.linear_fc1 / fc2` and its sigmoid
+  gate -> `mlp.shared_experts.gate_weight` (replicated). The HF names are the checkpoint's per-expert ones
+  (`experts.N.gate_proj` / `w1`, ...), which is what transformers writes and vLLM loads (transformers 5 fuses
+  the experts only in memory).
 The same functions convert Adam's moments (same shapes as the parameters): optimizer state is
 saved under HF names, so a checkpoint resumes at another TP size or on the FSDP engine.
 """
