@@ -316,8 +316,9 @@ class RLTrainer:
             metrics = {**reward_metrics, **kl_metrics, **train_metrics, **batch_metrics(batch)}
             metrics.update({f"timing/{k}": v for k, v in self.phase_times.items()})
             metrics["timing/step"] = time.perf_counter() - step_start
-            metrics["perf/generated_tokens_per_s"] = float(batch.batch["response_mask"].sum()) / max(
-                self.phase_times["rollout"], 1e-9)
+            generated = metrics.get("partial/generated_tokens", float(batch.batch["response_mask"].sum()))
+            metrics["perf/generated_tokens_per_s"] = generated / max(
+                self.phase_times["rollout"] + self.phase_times.get("rollout_rounds", 0.0), 1e-9)
             forward_passes = sum(phase in self.phase_times for phase in ("old_log_prob", "ref_log_prob", "values"))
             trained_passes = sum(phase in self.phase_times for phase in ("update", "update_critic"))
             metrics.update(perf.step_perf(self.model_shape, batch.batch["attention_mask"], batch.batch["response_mask"],
@@ -394,6 +395,8 @@ class RLTrainer:
             else:
                 batch = self.take_generation(pending)
             self.record_phase("rollout", *pending.span)  # (it ran during the previous step)
+            if pending.rounds_span is not None:  # partial rollouts: the rounds after the first, run now
+                self.record_phase("rollout_rounds", *pending.rounds_span)
         else:
             pending = self.start_generation(step)
             batch = self.take_generation(pending)
@@ -537,14 +540,18 @@ class RLTrainer:
             samples, version = pending.partial
             pool.absorb(samples, pending.result, version, step)
         max_rounds = -(-pool.response_length // pool.budget) + 1
+        start = time.perf_counter()
         for round_index in range(1, max_rounds + 1):
             if len(pool.ready_groups()) >= pool.batch_size:
                 break
             samples = pool.unfinished()
-            with self.timed("rollout_rounds"):
+            try:
                 generated = self.actor_rollout.generate_sequences(pool.requests(samples, step, round_index),
                                                                   _timeout=self.cfg.trainer.timeouts.rollout)
+            except WorkerError as error:
+                raise fault.annotate(error, "rollout", step, getattr(self, "workers", None))
             pool.absorb(samples, generated, self.policy_version, step)
+            pending.rounds_span = (start, time.perf_counter())
         batch, pending.metrics = pool.take_batch(train_version=self.policy_version, step=step)
         batch.meta_info["step"] = step
         return batch
@@ -723,6 +730,7 @@ class PendingRollout:
         self.span: tuple[float, float] | None = None  # (start, end) of the generation, when run ahead
         self.partial: tuple[list, int] | None = None  # partial rollouts: (the samples sent, the engines' version)
         self.partial_drawn: list[str] = []  # partial rollouts: the uids of the prompts drawn for it
+        self.rounds_span: tuple[float, float] | None = None  # partial rollouts: (start, end) of the rounds after it
         self.metrics: dict[str, float] = {}  # partial rollouts: partial/*
 
 
