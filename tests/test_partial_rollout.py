@@ -8,8 +8,9 @@ Fast, on the real HF engine (the tiny model, in this process):
   pieced-together greedy response equals one greedy generation of the whole length (token in, token out);
 - the truncated-IS weights over a mixed-version response equal a hand computation;
 - the pool's rules: groups trained only when whole, oldest first; too-stale groups restarted; refusals.
-Slow: 3-step runs of `python -m rlframe.main` with partial rollouts on (synchronous colocated, asynchronous
-disaggregated): responses held back, continued by newer weights, token staleness within the bound.
+End to end, 3-step runs of `python -m rlframe.main` with partial rollouts on (asynchronous disaggregated HF in CI;
+synchronous colocated, asynchronous vLLM and an exact resume from a checkpoint slow-marked): responses held back,
+continued by newer weights, token staleness within the bound.
 """
 
 from __future__ import annotations
@@ -297,8 +298,8 @@ def test_partial_rollouts_end_to_end_synchronous(tmp_path, tiny_model_dir):
     assert metrics[2]["partial/mixed_version_frac"] > 0
 
 
-@pytest.mark.slow
 def test_partial_rollouts_end_to_end_asynchronous(tmp_path, tiny_model_dir):
+    """(Not slow-marked: the one end-to-end run of the driver's partial-rollout hooks in CI, ~25 s.)"""
     from conftest import read_metrics, run_tiny
 
     run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math", *PARTIAL, "trainer.placement=disaggregated",
