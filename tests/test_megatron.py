@@ -263,10 +263,15 @@ def assert_same_weights(first: dict, second: dict, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(first[name], second[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def test_tp1_one_rank_equals_fsdp(tiny_model_dir, tmp_path, fsdp_reference):
-    """TP=1 in this process, 2 micro-batches: log-probs, entropy, losses, grad norm and weights as FSDP."""
-    actor = plain_actor(actor_config(tiny_model_dir, 1, 4), tiny_model_dir)
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
+def test_tp1_one_rank_equals_fsdp(tiny_model_dir, tmp_path, fsdp_reference, recompute):
+    """TP=1 in this process, 2 micro-batches: log-probs, entropy, losses, grad norm and weights as FSDP; also
+    with model.gradient_checkpointing (each layer's activations recomputed in the backward)."""
+    cfg = actor_config(tiny_model_dir, 1, 4)
+    cfg.model.gradient_checkpointing = recompute
+    actor = plain_actor(cfg, tiny_model_dir)
     assert actor.describe()["strategy"] == "megatron"
+    assert all(hasattr(layer.forward, "__wrapped__") for layer in actor.engine.model.gpt.decoder.layers) == recompute
     assert_same_as_fsdp(fsdp_reference, update(actor, tiny_batch(tiny_model_dir), tmp_path / "tp1"))
 
 

@@ -140,11 +140,15 @@ def assert_moe_update(reference, ours):
     assert_same_as_fsdp((metrics, unfused(weights), log_probs, entropy), ours, weight_atol=2e-5, start=start)
 
 
-def test_moe_ep1_update_equals_fsdp(moe_model_dir, tmp_path, moe_fsdp_reference):
-    """EP=1 on one rank, 2 micro-batches: FSDP's log-probs and update (router, experts, shared expert)."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
+def test_moe_ep1_update_equals_fsdp(moe_model_dir, tmp_path, moe_fsdp_reference, recompute):
+    """EP=1 on one rank, 2 micro-batches: FSDP's log-probs and update (router, experts, shared expert); also with
+    model.gradient_checkpointing (the MoE layers recomputed in the backward)."""
     from test_megatron import tiny_batch
 
-    actor = plain_actor(actor_config(moe_model_dir, 1, 4), moe_model_dir)
+    cfg = actor_config(moe_model_dir, 1, 4)
+    cfg.model.gradient_checkpointing = recompute
+    actor = plain_actor(cfg, moe_model_dir)
     assert_moe_update(moe_fsdp_reference, update(actor, tiny_batch(moe_model_dir), tmp_path / "ep1"))
 
 

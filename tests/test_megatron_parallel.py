@@ -13,7 +13,8 @@ updated weights rtol 1e-4, atol 2e-5 under TP as there):
   chunks r and 3 - r, keys / values all-gathered, per-token log-probs gathered: FSDP's log-probs and update;
 - the chunk layout and the config validation of the new keys;
 - slow: the critic under both (2 ranks); on 4 ranks TP=2 x CP=2, TP=2 + SP x CP=2, TP=2 + SP x PP=2 and
-  CP=2 x PP=2 (all FSDP's update); `rlframe.main` for 2 GRPO steps with TP=2 + SP and with CP=2.
+  CP=2 x PP=2 (all FSDP's update); the same with model.gradient_checkpointing (TP=2 + SP, CP=2);
+  `rlframe.main` for 2 GRPO steps with TP=2 + SP and with CP=2.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def test_validation_of_sequence_and_context_parallel(tiny_model_dir):
     assert engine.sequence_parallel and engine.context_parallel_size == 2 and engine.expert_model_parallel_size == 2
 
 
-def parallel_update(tiny_model_dir, tmp_path, name: str, **megatron):
+def parallel_update(tiny_model_dir, tmp_path, name: str, recompute: bool = False, **megatron):
     cfg = actor_config(tiny_model_dir, 2, 2, tp=megatron.pop("tp", 1))
+    cfg.model.gradient_checkpointing = recompute
     for key, value in megatron.items():
         setattr(cfg.megatron, key, value)
     pool, group, actor = start_actor(cfg, tiny_model_dir, name)
@@ -84,7 +86,17 @@ def test_context_parallel_cp2_equals_fsdp(ray_session, tiny_model_dir, tmp_path,
     assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), ours, weight_atol=2e-5)
 
 
-@pytest.mark.slow  # (~40 s each on a quiet machine)
+@pytest.mark.slow  # (~15 s each on a quiet machine)
+@pytest.mark.parametrize("parallel", [{"tp": 2, "sequence_parallel": True}, {"context_parallel_size": 2}],
+                         ids=["tp2_sp", "cp2"])
+def test_recompute_under_sequence_and_context_parallel_equals_fsdp(ray_session, tiny_model_dir, tmp_path, request,
+                                                                    parallel):
+    """model.gradient_checkpointing (whole layers recomputed in the backward, their collectives with them)."""
+    ours = parallel_update(tiny_model_dir, tmp_path, "megatron_recompute", recompute=True, **parallel)
+    assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), ours, weight_atol=2e-5)
+
+
+@pytest.mark.slow  # (~15 s each on a quiet machine)
 @pytest.mark.parametrize("parallel", [{"tensor_model_parallel_size": 2, "sequence_parallel": True},
                                       {"context_parallel_size": 2}], ids=["tp2_sp", "cp2"])
 def test_critic_two_ranks_equals_fsdp(ray_session, tiny_model_dir, request, parallel):

@@ -92,7 +92,8 @@ Not here (config validation says so before any worker starts):
 - MoE: dense layers among MoE ones (Qwen2-MoE's decoder_sparse_step / mlp_only_layers), Mixtral's router
   jitter, grouped GEMM, the alltoall / flex dispatchers, EP x CP; the HF rollout engine (transformers holds
   fused expert tensors, the sync streams per-expert names: refused, use vLLM).
-- activation recompute, virtual pipeline stages (interleaving).
+- virtual pipeline stages (interleaving); megatron-core's selective recompute (`model.gradient_checkpointing`
+  recomputes whole layers with torch's checkpoint, `_recomputed`).
 
 PPO's critic (`head="value"`): the same GPT body without its LM head (embedding -> decoder with the
 final norm) and the value head of `value_model.py` (`Linear(hidden, 1)`, zero-initialised, replicated
@@ -618,6 +619,23 @@ def load_local_state(params: dict[str, nn.Parameter], local: dict[str, torch.Ten
 
 
 # ------------------------------------------------------------------------------------ engine
+def _recomputed(forward: Callable) -> Callable:
+    """A transformer layer's forward whose activations are recomputed in the backward (torch's non-reentrant
+    checkpoint) when gradients are on. megatron-core's own recompute (`recompute_granularity`) goes through
+    its CheckpointFunction, which saves and restores CUDA RNG states: not on CPU. The layer's collectives (TP,
+    SP, CP, the MoE dispatcher) run again in the recompute, in the same layer order on every rank."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
 def _replica_row_group(dp_rank: int) -> SequenceParallelGroup:
     """The ranks of this rank's model replica (TP x PP x CP: those with its data-parallel rank) as a group,
     for the row exchange (`gather_rows`). Every rank creates every replica's group, in the same order."""
@@ -642,9 +660,6 @@ class MegatronEngine(TrainerEngine):
                              "Fix: actor.ulysses_sequence_parallel_size=1")
         self.settings, self.profile, self.name = settings, profile, name
         self.device = torch.device(profile.device)
-        if settings.gradient_checkpointing:
-            logger.warning("%s: model.gradient_checkpointing is not applied by the megatron engine (Megatron's "
-                           "activation recompute is not wired here); activations are kept", name)
         hf_config = AutoConfig.from_pretrained(settings.model_path, trust_remote_code=settings.trust_remote_code)
         arch = GPTArch.from_hf(hf_config)  # ValueError naming an unsupported architecture
         self.tp, self.pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
@@ -698,6 +713,9 @@ class MegatronEngine(TrainerEngine):
         gpt = build_gpt(arch, self.tp, profile, pp=self.pp, pre_process=self.first_stage, post_process=self.last_stage,
                         sequence_parallel=self.sp, cp=self.cp, ep=self.ep)
         self.layer_offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
+        if settings.gradient_checkpointing and settings.optim is not None:
+            for layer in gpt.decoder.layers:  # (model.gradient_checkpointing: whole-layer activation recompute)
+                layer.forward = _recomputed(layer.forward)
         if self.value_head:
             self.model = MegatronValueModel(gpt, hf_config, arch).to(self.device)
         else:
