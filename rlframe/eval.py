@@ -162,7 +162,7 @@ def evaluate(cfg, model_path: str, files: list[str], n: int = 1, ks: list[int] |
     from rlframe.workers.rollout.base import generate_sequences
     from rlframe.workers.rollout.factory import build_rollout_engine
 
-    data, rollout = cfg.data, cfg.rollout
+    data = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     dataset = RLDataset(files, tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
                         prompt_template=data.prompt_template, max_prompt_length=data.max_prompt_length,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,7 +256,7 @@ def rollout_items(cfg, shape: ModelShape, b: int, gpu: bool, capacity_gib: float
     # weights' pages after each generation (workers/host_pages.py).
     phases = ("generation",) if cfg.rollout.enable_sleep_mode and cfg.trainer.placement != "disaggregated" else always
     return [Item("rollout", f"vLLM fp32 weights (TP {tp})", _gib(shape.params / tp, 4), phases),
-            Item("rollout", f"vLLM KV cache (rollout.cpu_kv_cache_gib)", float(cfg.rollout.cpu_kv_cache_gib), phases)]
+            Item("rollout", "vLLM KV cache (rollout.cpu_kv_cache_gib)", float(cfg.rollout.cpu_kv_cache_gib), phases)]
 
 
 def engine_kind(cfg) -> str:

@@ -3,7 +3,6 @@ math-verify cases, integer answers scored exactly as before, and a reward worker
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlframe.reward.loader import BATCH, SAMPLE, SEQUENTIAL, load_reward_function
-from rlframe.reward.manager import RewardError, RewardManager, RewardSpec
+from rlframe.reward.manager import RewardManager, RewardSpec
 
 REPO = Path(__file__).resolve().parents[1]
 

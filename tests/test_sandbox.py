@@ -212,10 +212,10 @@ def test_sandboxes_die_with_their_parent(tmp_path):
     import sys
 
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(textwrap.dedent("""
         from rlframe.reward.sandbox import Sandbox, SandboxLimits
         sb = Sandbox(max_concurrency=2, limits=SandboxLimits(wall_time_s=100, cpu_time_s=100))
-        sb.run_many([{{"code": "import time\\ntime.sleep(1000)"}}] * 2)
+        sb.run_many([{"code": "import time\\ntime.sleep(1000)"}] * 2)
         """))
     parent = subprocess.Popen([sys.executable, str(script)])
 
