@@ -7,6 +7,7 @@ each naming the key and the fix.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -667,6 +668,7 @@ def validate_config(cfg: RLConfig) -> None:
     _validate_partial(cfg, need)
     _validate_deepspeed(cfg, need)
     _validate_megatron(cfg, need)
+    _validate_context_length(cfg, need)
     _validate_lora(cfg, need)
     _validate_stage(cfg, need)
     unknown_loggers = set(cfg.trainer.loggers) - {"console", "jsonl", "wandb", "tensorboard"}
@@ -897,6 +899,28 @@ def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> Non
              "the checkpoint's per-expert names (experts.N.gate_proj, what vLLM loads), while transformers holds "
              "fused expert tensors (experts.gate_up_proj), so the experts would not sync. Fix: rollout.engine=vllm, "
              "or actor.strategy=fsdp")
+
+
+def _validate_context_length(cfg: RLConfig, need) -> None:
+    """Prompt + response (+ the tool prompt of multi-turn rollouts) within the model's positions, when the
+    model folder is here and declares no RoPE scaling (which would stretch them): otherwise vLLM refuses
+    it only when the workers start, and the trainer would read positions it never learned."""
+    folder = _local_model_dir(cfg.model.path)
+    if folder is None:
+        return
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = config.get("text_config") or config
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or config.get("rope_scaling"):
+        return
+    mt = cfg.rollout.multi_turn
+    tool_prompt = mt.tool_prompt_tokens if mt.enable else 0
+    length = cfg.data.max_prompt_length + cfg.data.max_response_length + tool_prompt
+    need(length <= positions, "data.max_prompt_length",
+         f"{cfg.data.max_prompt_length} + data.max_response_length {cfg.data.max_response_length}"
+         + (f" + rollout.multi_turn.tool_prompt_tokens {tool_prompt}" if tool_prompt else "")
+         + f" = {length} tokens exceeds the model's max_position_embeddings ({positions}, {folder}/config.json). "
+         f"Fix: shorten them to at most {positions} in total")
 
 
 def _local_model_dir(path: str) -> str | None:
