@@ -64,14 +64,16 @@ def _batch(vocab):
 @pytest.mark.parametrize("max_tokens", [12, 30])
 def test_dynamic_micro_batches_give_same_update_as_fixed(tiny_model_dir, max_tokens):
     def gradients(settings):
-        # The gradient of the (single) mini-batch stays on the parameters after the update. Compare
-        # gradients, not Adam-updated weights: Adam turns float-level noise in near-zero gradients
-        # into lr-sized steps.
+        # The gradient of the (single) mini-batch, as the optimiser step sees it. Compare gradients, not
+        # Adam-updated weights: Adam turns float-level noise in near-zero gradients into lr-sized steps.
         torch.manual_seed(0)
         actor = plain_actor(tiny_model_dir, **settings)
-        model = actor.engine.model
+        model, seen = actor.engine.model, {}
+        actor.engine.optimizer.register_step_pre_hook(
+            lambda *_: seen.update({n: p.grad.clone() for n, p in model.named_parameters()}))
         metrics = actor.update_actor(_batch(model.config.vocab_size)).meta_info["metrics"]
-        return metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert all(p.grad is None for p in model.parameters()), "gradients are freed after the update"
+        return metrics, seen
 
     common = dict(lr=1e-3, mini_batch_size=8, shuffle=False, use_kl_loss=True, kl_loss_coef=0.1)
     fixed_metrics, fixed = gradients(dict(micro_batch_size=8, **common))
