@@ -286,6 +286,16 @@ def start_actor(cfg: RLConfig, model_dir, name: str):
     return pool, group, group.role("actor_rollout")
 
 
+def update_on_ranks(cfg: RLConfig, model_dir, name: str, out_dir):
+    """`update` on the tiny batch by a worker group of `cfg`'s layout, started and shut down here."""
+    pool, group, actor = start_actor(cfg, model_dir, name)
+    try:
+        return update(actor, tiny_batch(model_dir), out_dir)
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
 def test_tp2_update_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_dir, tmp_path, fsdp_reference):
     """TP=2 on 2 ranks, 2 micro-batches: the same update as FSDP; then save, update, load, update again
     gives the same update, and the checkpoint (HF names) resumes on the FSDP engine at world size 1."""
@@ -324,12 +334,7 @@ def test_tp2_update_equals_fsdp_and_checkpoint_resumes(ray_session, tiny_model_d
 @pytest.mark.slow  # (~20 s on a quiet machine; CI's budget goes to the TP=2 test above)
 def test_data_parallel_two_ranks_equals_fsdp(ray_session, tiny_model_dir, tmp_path, fsdp_reference):
     """TP=1 x DP=2: gradients summed over the data-parallel group, normalisers global."""
-    pool, group, actor = start_actor(actor_config(tiny_model_dir, 2, 2, tp=1), tiny_model_dir, "megatron_dp2")
-    try:
-        ours = update(actor, tiny_batch(tiny_model_dir), tmp_path / "dp2")
-    finally:
-        group.shutdown()
-        pool.remove()
+    ours = update_on_ranks(actor_config(tiny_model_dir, 2, 2, tp=1), tiny_model_dir, "megatron_dp2", tmp_path / "dp2")
     assert_same_as_fsdp(fsdp_reference, ours)
 
 

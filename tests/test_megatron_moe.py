@@ -213,17 +213,12 @@ def test_moe_validation(moe_model_dir, tiny_model_dir):
 def test_moe_ep2_four_ranks_equals_fsdp(ray_session, moe_model_dir, tmp_path, moe_fsdp_reference, parallel):
     """EP=2 with TP=2 + sequence parallelism (the experts' fc1 / fc2 split over TP as the dense MLP; megatron-core
     refuses MoE x TP without SP in training) and with PP=2 (one MoE layer per stage)."""
-    from test_megatron import tiny_batch
+    from test_megatron import update_on_ranks
 
     cfg = actor_config(moe_model_dir, 4, 2, **parallel)
     cfg.megatron.expert_model_parallel_size = 2
     cfg.megatron.sequence_parallel = "tp" in parallel
-    pool, group, actor = start_actor(cfg, moe_model_dir, "megatron_ep2_four")
-    try:
-        ours = update(actor, tiny_batch(moe_model_dir), tmp_path / "ep2_four")
-    finally:
-        group.shutdown()
-        pool.remove()
+    ours = update_on_ranks(cfg, moe_model_dir, "megatron_ep2_four", tmp_path / "ep2_four")
     assert_moe_update(moe_fsdp_reference, ours)
 
 

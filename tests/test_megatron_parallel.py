@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from test_megatron import (actor_config, assert_same_as_fsdp, grpo_two_steps, megatron_cfg, problems,  # noqa: E402
-                           start_actor, tiny_batch, update)
+                           update_on_ranks)
 from test_megatron import fsdp_critic_reference, fsdp_reference  # noqa: E402,F401  (module fixtures, by name)
 
 
@@ -68,12 +68,7 @@ def parallel_update(tiny_model_dir, tmp_path, name: str, recompute: bool = False
     cfg.model.gradient_checkpointing = recompute
     for key, value in megatron.items():
         setattr(cfg.megatron, key, value)
-    pool, group, actor = start_actor(cfg, tiny_model_dir, name)
-    try:
-        return update(actor, tiny_batch(tiny_model_dir), tmp_path / name)
-    finally:
-        group.shutdown()
-        pool.remove()
+    return update_on_ranks(cfg, tiny_model_dir, name, tmp_path / name)
 
 
 def test_sequence_parallel_tp2_equals_fsdp(ray_session, tiny_model_dir, tmp_path, request):
@@ -136,12 +131,7 @@ def test_four_rank_combinations_equal_fsdp(ray_session, tiny_model_dir, tmp_path
     cfg = actor_config(tiny_model_dir, 4, 2, tp=parallel.pop("tp", 1))
     for key, value in parallel.items():
         setattr(cfg.megatron, key, value)
-    pool, group, actor = start_actor(cfg, tiny_model_dir, "megatron_four_ranks")
-    try:
-        ours = update(actor, tiny_batch(tiny_model_dir), tmp_path / "four")
-    finally:
-        group.shutdown()
-        pool.remove()
+    ours = update_on_ranks(cfg, tiny_model_dir, "megatron_four_ranks", tmp_path / "four")
     assert_same_as_fsdp(request.getfixturevalue("fsdp_reference"), ours, weight_atol=2e-5)
 
 
