@@ -1,12 +1,10 @@
 """The reference-policy role: the frozen initial policy, log-probs for the KL term.
 
-On CPU, weights that are a read-only mapping of the model file (an fp32 safetensors checkpoint loaded
-without conversion) are released from the process after each pass (`release_file_mapped_pages`): the
-reference is read once per step, and the pages map back from the OS page cache on the next pass."""
+On CPU, weights that are a never-written private mapping of the model file (an fp32 safetensors checkpoint
+loaded without conversion) are released from the process after each pass (`release_file_mapped_pages`):
+the reference is read once per step, and the pages map back from the OS page cache on the next pass."""
 
 from __future__ import annotations
-
-import logging
 
 from rlframe.controller import Dispatch, register
 from rlframe.protocol import DataProto
@@ -14,19 +12,16 @@ from rlframe.workers.engine import build_engine
 from rlframe.workers.host_pages import release_file_mapped_pages
 from rlframe.workers.settings import RefSettings
 
-logger = logging.getLogger(__name__)
-
 
 class RefWorker:
     def __init__(self, settings: RefSettings):
         self.settings = settings
         self.profile = settings.engine.device.profile()
         self.engine = build_engine(settings.engine, self.profile, name="ref")
-        self.released_bytes = 0  # by the last pass: the weights' file-mapped pages
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         out = self.engine.forward(data, self.settings.log_prob)
         if not self.profile.is_gpu:
-            self.released_bytes = release_file_mapped_pages(self.engine.model.parameters())
+            release_file_mapped_pages(self.engine.model.parameters())
         return DataProto.from_dict(tensors={"ref_log_prob": out["log_probs"]})
