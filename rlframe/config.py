@@ -131,6 +131,7 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
+    turn_gamma: float = 1.0  # grpo_turn: discount per model turn of a multi-turn rollout (not per token)
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 / low_var_kl | abs | mse
@@ -259,7 +260,7 @@ class MultiTurnConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     # where the environment's per-turn rewards go: final (their sum on the last model token, with the outcome
     # reward) | per_turn (each on the last token of the turn it judged; same total, so grpo/rloo see no change,
-    # gae and reinforce_plus_plus with gamma < 1 credit each turn)
+    # gae and reinforce_plus_plus with gamma < 1 credit each turn, and grpo_turn with turn_gamma < 1)
     turn_rewards: str = "final"
 
 
@@ -527,7 +528,7 @@ class ConfigError(ValueError):
 
 
 POLICY_LOSS_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode")  # actor.*, "auto"-able
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "opo", "reinforce_plus_plus_baseline")  # baseline from the group
+GROUP_ESTIMATORS = ("grpo", "grpo_turn", "drgrpo", "rloo", "opo", "reinforce_plus_plus_baseline")  # baseline from the group
 
 
 def policy_loss_options(actor: ActorConfig) -> dict[str, Any]:
@@ -767,6 +768,10 @@ def _validate_algorithm(cfg: RLConfig, need) -> None:
              "critic.ppo_micro_batch_size_per_device",
              f"each rank gets {per_rank} sequences per critic mini-batch. Fix: pick a divisor of {per_rank}.")
         need(critic.cliprange_value >= 0, "critic.cliprange_value", "must be >= 0 (0 disables clipping)")
+    need(0.0 <= algo.turn_gamma <= 1.0, "algorithm.turn_gamma", f"{algo.turn_gamma}: must be in [0, 1]")
+    need(algo.adv_estimator != "grpo_turn" or rollout.multi_turn.enable, "algorithm.adv_estimator",
+         "grpo_turn credits the model turns of multi-turn rollouts; on single-turn ones it is grpo. "
+         "Fix: algorithm.adv_estimator=grpo, or rollout.multi_turn.enable=true")
     need(cfg.trainer.critic_warmup >= 0, "trainer.critic_warmup", "must be >= 0")
     need(cfg.trainer.critic_warmup == 0 or algo.adv_estimator == "gae", "trainer.critic_warmup",
          "only PPO with a critic (algorithm.adv_estimator=gae) has a critic to warm up. Fix: trainer.critic_warmup=0")

@@ -90,6 +90,80 @@ def test_drgrpo_and_grpo_without_std():
     assert per_row(advantages) == pytest.approx(expected)
 
 
+# Four multi-turn trajectories of one prompt, T = 7: model turns are runs of mask tokens, separated by
+# environment tokens (mask 0). Per-turn rewards sit on each turn's last token.
+#   row 0: turn 0 wrong (0), turn 1 right (1.5)
+#   row 1: turn 0 right (2.0)
+#   row 2: turns 0, 1 wrong, turn 2 right (1.15)
+#   row 3: turns 0, 1 wrong (0, 0)
+TURN_MASK = torch.tensor([[1, 1, 0, 0, 1, 1, 0],
+                          [1, 1, 1, 0, 0, 0, 0],
+                          [1, 0, 1, 0, 1, 0, 0],
+                          [1, 1, 0, 1, 1, 0, 0]], dtype=torch.float32)
+TURN_REWARDS = torch.zeros(4, 7)
+TURN_REWARDS[0, 5], TURN_REWARDS[1, 2], TURN_REWARDS[2, 4] = 1.5, 2.0, 1.15
+
+
+def turn_values(advantages):
+    """{(row, turn): value}, after checking each turn's tokens share one value and unmasked tokens are 0."""
+    from rlframe.algos.advantages import model_turn_index
+
+    turns, values = model_turn_index(TURN_MASK), {}
+    assert torch.all(advantages[TURN_MASK == 0] == 0)
+    for row in range(4):
+        for k in range(int(turns[row].max()) + 1):
+            tokens = advantages[row][turns[row] == k]
+            assert torch.allclose(tokens, tokens[0].expand_as(tokens))
+            values[(row, k)] = tokens[0].item()
+    return values
+
+
+def test_model_turn_index():
+    from rlframe.algos.advantages import model_turn_index
+
+    assert model_turn_index(TURN_MASK).tolist() == [[0, 0, -1, -1, 1, 1, -1], [0, 0, 0, -1, -1, -1, -1],
+                                                    [0, -1, 1, -1, 2, -1, -1], [0, 0, -1, 1, 1, -1, -1]]
+
+
+def test_grpo_turn_without_discount_hand_computed():
+    groups = np.array(["p"] * 4, dtype=object)
+    advantages, returns = run("grpo_turn", rewards=TURN_REWARDS, mask=TURN_MASK, groups=groups,
+                              config=AdvantageConfig(turn_gamma=1.0))
+    values = turn_values(advantages)
+    # turn 0: G = the whole return 1.5, 2, 1.15, 0 -> exactly grpo's advantage
+    grpo, _ = run("grpo", rewards=TURN_REWARDS, mask=TURN_MASK, groups=groups)
+    assert [values[(row, 0)] for row in range(4)] == pytest.approx(grpo[:, 0].tolist(), rel=1e-6)
+    # turn 1, reached by rows 0, 2, 3: G = 1.5, 1.15, 0; mean 0.88333, unbiased std
+    # sqrt((0.61667^2 + 0.26667^2 + 0.88333^2) / 2) = 0.78475 -> 0.78582, 0.33981, -1.12563
+    std = math.sqrt((0.61667**2 + 0.26667**2 + 0.88333**2) / 2)
+    assert [values[(0, 1)], values[(2, 1)], values[(3, 1)]] == pytest.approx(
+        [0.61667 / std, 0.26667 / std, -0.88333 / std], rel=1e-4)
+    # turn 2: only row 2 got there -> no baseline -> 0
+    assert values[(2, 2)] == 0.0
+    assert turn_values(returns)[(0, 0)] == pytest.approx(1.5) and turn_values(returns)[(2, 1)] == pytest.approx(1.15)
+
+
+def test_grpo_turn_each_attempt_judged_by_its_own_result():
+    groups = np.array(["p"] * 4, dtype=object)
+    advantages, returns = run("grpo_turn", rewards=TURN_REWARDS, mask=TURN_MASK, groups=groups,
+                              config=AdvantageConfig(turn_gamma=0.0))
+    values = turn_values(advantages)
+    # turn 0: r = 0, 2, 0, 0: mean 0.5, std 1 -> -0.5, 1.5, -0.5, -0.5 (row 0's wrong first answer is
+    # pushed down although its retry succeeded; grpo would push it up)
+    assert [values[(row, 0)] for row in range(4)] == pytest.approx([-0.5, 1.5, -0.5, -0.5], rel=1e-5)
+    # turn 1: r = 1.5, 0, 0 (rows 0, 2, 3): mean 0.5, std sqrt((1 + 0.25 + 0.25) / 2) = 0.86603
+    assert [values[(0, 1)], values[(2, 1)], values[(3, 1)]] == pytest.approx(
+        [1 / 0.86603, -0.5 / 0.86603, -0.5 / 0.86603], rel=1e-4)
+    assert values[(2, 2)] == 0.0
+    assert turn_values(returns)[(2, 0)] == 0.0 and turn_values(returns)[(2, 2)] == pytest.approx(1.15)
+    # turns are grouped per prompt: the same rows split over two prompts never share a baseline
+    split, _ = run("grpo_turn", rewards=TURN_REWARDS, mask=TURN_MASK, groups=np.array(["p", "p", "q", "q"], dtype=object),
+                   config=AdvantageConfig(turn_gamma=0.0, norm_by_std=False))
+    values = turn_values(split)
+    assert [values[(row, 0)] for row in range(4)] == pytest.approx([-1.0, 1.0, 0.0, 0.0])
+    assert values[(0, 1)] == 0.0 and values[(2, 1)] == 0.0 and values[(3, 1)] == 0.0  # alone at turn 1 in "p"; 0 == 0 in "q"
+
+
 def test_rloo_hand_computed():
     advantages, _ = run("rloo")
     # a: 1 - 0 = 1, 0 - 1 = -1;  b: 0 - 1.5, 1 - 1, 2 - 0.5;  c: 0
@@ -226,7 +300,7 @@ def test_group_index_errors():
 
 
 def test_registry():
-    assert {"gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo"} <= set(
+    assert {"gae", "grpo", "grpo_turn", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo"} <= set(
         ADVANTAGE_ESTIMATORS
     )
     with pytest.raises(KeyError, match="available: .*grpo"):

@@ -80,6 +80,14 @@ def test_group_estimators_need_two_samples(estimator):
     validate_config(cfg)
 
 
+def test_grpo_turn_needs_multi_turn_rollouts_and_a_turn_discount_in_range():
+    cfg = RLConfig()
+    cfg.algorithm.adv_estimator = "grpo_turn"
+    assert "algorithm.adv_estimator: grpo_turn credits the model turns of multi-turn rollouts" in problems(cfg)
+    cfg.algorithm.adv_estimator, cfg.algorithm.turn_gamma = "grpo", 1.5
+    assert "algorithm.turn_gamma: 1.5: must be in [0, 1]" in problems(cfg)
+
+
 def test_remax_and_reinforce_plus_plus_run_with_one_sample():
     for estimator in ("remax", "reinforce_plus_plus"):
         cfg = RLConfig()

@@ -44,6 +44,7 @@ class AdvantageConfig:
     eps:         added to the std before dividing (grpo).
     whiten:      after any estimator, whiten the advantages over the whole batch with the mask
                  (PPO with "gae" usually sets this to True; reinforce_plus_plus* always whiten).
+    turn_gamma:  discount per model turn, not per token (grpo_turn).
     """
 
     gamma: float = 1.0
@@ -51,6 +52,7 @@ class AdvantageConfig:
     norm_by_std: bool = True
     eps: float = 1e-6
     whiten: bool = False
+    turn_gamma: float = 1.0
 
 
 class AdvantageEstimator(Protocol):
@@ -235,6 +237,67 @@ def compute_grpo_advantage(
     advantage = torch.where(size > 1, advantage, torch.zeros_like(advantage))
     advantages = advantage[:, None] * response_mask.to(scores.dtype)
     return advantages, advantages
+
+
+def model_turn_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """The model turn of every response token -> LongTensor [B, T]: the k-th run of consecutive mask tokens
+    is turn k (0-based; in a multi-turn response the runs are separated by tool or environment tokens,
+    which are unmasked); -1 outside the mask."""
+    inside = response_mask > 0
+    before = torch.zeros_like(inside[:, :1])
+    starts = inside & ~torch.cat([before, inside[:, :-1]], dim=1)
+    turn = starts.long().cumsum(dim=-1) - 1
+    return torch.where(inside, turn, torch.full_like(turn, -1))
+
+
+@register_advantage_estimator("grpo_turn")
+def compute_turn_grpo_advantage(
+    token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
+):
+    """Turn-level GRPO for multi-turn rollouts: each model turn is credited with its own return, and
+    compared with the same turn of the other samples of its prompt.
+
+        r[i, k] = sum of R[i, t] over the tokens t of model turn k  (turn k = the k-th run of mask tokens)
+        G[i, k] = r[i, k] + turn_gamma * G[i, k + 1]
+        A[i, t] = (G[i, k] - mean_{j in g(i), j has a turn k}(G[j, k])) / (std_{...}(G[j, k]) + eps),  t in turn k
+
+    (no std division without config.norm_by_std). A turn no other sample of the group reached gets
+    A = 0, as a group of one does in grpo. With turn_gamma = 1 and every reward on the last token, turn 0
+    gets exactly grpo's advantage; later turns are baselined against the samples that also got that
+    far. With per-turn rewards (rollout.multi_turn.turn_rewards=per_turn) and turn_gamma = 0, each
+    attempt is judged by its own result: a wrong first answer is not reinforced because a retry
+    succeeded. returns = G[i, k] on the tokens of turn k.
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    batch_size = token_level_rewards.shape[0]
+    turn = model_turn_index(response_mask)
+    num_turns = int(turn.max()) + 1 if turn.numel() else 0
+    if num_turns <= 0:
+        zeros = torch.zeros_like(token_level_rewards)
+        return zeros, zeros
+    turns_of_row = turn.max(dim=-1).values + 1  # [B]
+    slot = torch.arange(batch_size, device=turn.device)[:, None] * num_turns + turn.clamp_min(0)
+    turn_rewards = torch.zeros(batch_size * num_turns, dtype=mask.dtype, device=mask.device).index_add_(
+        0, slot.reshape(-1), (token_level_rewards * mask).reshape(-1)).reshape(batch_size, num_turns)
+    returns = torch.zeros_like(turn_rewards)
+    running = torch.zeros_like(turn_rewards[:, 0])
+    for k in reversed(range(num_turns)):
+        running = turn_rewards[:, k] + config.turn_gamma * running
+        returns[:, k] = running
+    rows, ks = torch.nonzero(torch.arange(num_turns, device=turn.device)[None, :] < turns_of_row[:, None], as_tuple=True)
+    prompt_group = group_ids_to_inverse(group_index, batch_size).to(turn.device)
+    same_turn_groups = (prompt_group[rows] * num_turns + ks).cpu().numpy()
+    reached = returns[rows, ks]
+    mean, std, size = group_statistics(reached, same_turn_groups)
+    advantage = reached - mean
+    if config.norm_by_std:
+        advantage = advantage / (std + config.eps)
+    advantage = torch.where(size > 1, advantage, torch.zeros_like(advantage))
+    per_turn = torch.zeros_like(returns)
+    per_turn[rows, ks] = advantage
+    gather_at = turn.clamp_min(0)
+    advantages = torch.gather(per_turn, 1, gather_at) * mask
+    return advantages, torch.gather(returns, 1, gather_at) * mask
 
 
 @register_advantage_estimator("drgrpo")

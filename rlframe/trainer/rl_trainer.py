@@ -64,7 +64,8 @@ def compute_advantage(batch: DataProto, cfg: RLConfig) -> DataProto:
     advantages, returns = estimator(
         batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"],
         config=AdvantageConfig(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                               norm_by_std=cfg.algorithm.norm_adv_by_std, whiten=cfg.algorithm.whiten_advantages),
+                               norm_by_std=cfg.algorithm.norm_adv_by_std, whiten=cfg.algorithm.whiten_advantages,
+                               turn_gamma=cfg.algorithm.turn_gamma),
         values=batch.batch["values"] if "values" in batch else None,
         baseline_rewards=batch.batch["baseline_rewards"] if "baseline_rewards" in batch else None)
     batch.batch["advantages"] = advantages
