@@ -279,11 +279,7 @@ def compute_turn_grpo_advantage(
     slot = torch.arange(batch_size, device=turn.device)[:, None] * num_turns + turn.clamp_min(0)
     turn_rewards = torch.zeros(batch_size * num_turns, dtype=mask.dtype, device=mask.device).index_add_(
         0, slot.reshape(-1), (token_level_rewards * mask).reshape(-1)).reshape(batch_size, num_turns)
-    returns = torch.zeros_like(turn_rewards)
-    running = torch.zeros_like(turn_rewards[:, 0])
-    for k in reversed(range(num_turns)):
-        running = turn_rewards[:, k] + config.turn_gamma * running
-        returns[:, k] = running
+    returns = discounted_returns(turn_rewards, torch.ones_like(turn_rewards), config.turn_gamma)  # [B, turns]
     rows, ks = torch.nonzero(torch.arange(num_turns, device=turn.device)[None, :] < turns_of_row[:, None], as_tuple=True)
     prompt_group = group_ids_to_inverse(group_index, batch_size).to(turn.device)
     same_turn_groups = (prompt_group[rows] * num_turns + ks).cpu().numpy()
