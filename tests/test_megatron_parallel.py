@@ -34,14 +34,18 @@ def test_cp_chunk_layout():
 
     assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert sorted(torch.cat([cp_positions(12, 3, r) for r in range(3)]).tolist()) == list(range(12))
-    from rlframe.workers.engine.megatron import attention_mask_for, local_attention_mask
+    from rlframe.workers.engine.megatron import attention_mask_for
 
     mask = torch.ones(3, 12, dtype=torch.long)
     mask[0, :3] = 0  # left padding
     mask[1, 9:] = 0  # right padding
+    # the whole mask, built independently: causal and not padding, or the diagonal
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril().unsqueeze(0) & mask.bool().unsqueeze(1)
+    whole = ~(allowed | torch.eye(12, dtype=torch.bool).unsqueeze(0)).unsqueeze(1)
+    assert torch.equal(attention_mask_for(mask), whole)
     for rank in range(2):  # a rank's query rows of the causal + padding mask, by global column
         rows = cp_positions(12, 2, rank)
-        assert torch.equal(local_attention_mask(mask, rows), attention_mask_for(mask)[:, :, rows, :])
+        assert torch.equal(attention_mask_for(mask, rows), whole[:, :, rows, :])
 
 
 def test_validation_of_sequence_and_context_parallel(tiny_model_dir):

@@ -225,26 +225,15 @@ class _GatherChunks(torch.autograd.Function):
         return per_rank[rank].contiguous(), None, None, None
 
 
-def attention_mask_for(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[b, s] padding mask -> [b, 1, s, s] bool, True where a query may NOT attend (causal + padding).
+def attention_mask_for(attention_mask: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s] padding mask -> [b, 1, q, s] bool, True where a query may NOT attend (causal + padding).
 
-    Every position may attend to itself, so padding queries (whose outputs are never read) get no
-    all-masked row (SDPA would give NaN there)."""
-    s = attention_mask.size(1)
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
-    allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
-    allowed |= torch.eye(s, dtype=torch.bool, device=attention_mask.device).unsqueeze(0)
-    return (~allowed).unsqueeze(1)
-
-
-def local_attention_mask(attention_mask: torch.Tensor, cp_index: torch.Tensor | None) -> torch.Tensor:
-    """`attention_mask_for` the padded sequence; under context parallelism the rows of this rank's queries
-    (`cp_index`, global columns) against every key in column order (what `SDPACoreAttention` gathers)."""
-    if cp_index is None:
-        return attention_mask_for(attention_mask)
-    # (only this rank's query rows: [b, 1, S / CP, S], not the whole [b, 1, S, S])
-    columns = torch.arange(attention_mask.size(1), device=attention_mask.device).unsqueeze(0)
-    queries = cp_index.unsqueeze(1)
+    `queries`: the global positions of the query rows, by default all s of them; under context
+    parallelism a rank's own (`cp_index`) against every key in column order (what `SDPACoreAttention`
+    gathers), so the rank never builds the whole [b, 1, s, s]. Every position may attend to itself, so
+    padding queries (whose outputs are never read) get no all-masked row (SDPA would give NaN there)."""
+    columns = torch.arange(attention_mask.size(1), device=attention_mask.device)
+    queries = (columns if queries is None else queries).unsqueeze(1)
     allowed = (columns <= queries).unsqueeze(0) & attention_mask.bool().unsqueeze(1)
     allowed |= (columns == queries).unsqueeze(0)
     return (~allowed).unsqueeze(1)
@@ -274,7 +263,7 @@ class MegatronCausalLM(nn.Module):
         `input_ids` / `position_ids` are this rank's columns `cp_index` of the padded sequence whose
         padding mask is `attention_mask` (all columns); the outputs are those columns'."""
         out = self.gpt(input_ids=input_ids, position_ids=position_ids,
-                       attention_mask=local_attention_mask(attention_mask, cp_index))
+                       attention_mask=attention_mask_for(attention_mask, cp_index))
         if not self.gpt.post_process:
             return out
         if self.tp_group is not None:
@@ -302,7 +291,7 @@ class MegatronValueModel(nn.Module):
         if self.gpt.pre_process:  # (sequence parallel: the embedding scatters its output along the sequence)
             hidden = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         rope = self.gpt.rotary_pos_emb(attention_mask.size(1))  # (context parallel: this rank's columns of it)
-        hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=local_attention_mask(attention_mask, cp_index),
+        hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=attention_mask_for(attention_mask, cp_index),
                                   rotary_pos_emb=rope)
         if self.value_head is None:
             return hidden
