@@ -194,12 +194,19 @@ class RLTrainer:
         return self.workers.reward_model
 
     @contextmanager
-    def timed(self, phase: str):
-        start = time.perf_counter()
+    def naming_failures(self, phase: str, step: int | None = None):
+        """A worker's failure inside names the step (default: the current one) and the phase; a timeout also
+        dumps the stuck stacks (fault.annotate)."""
         try:
             yield
-        except WorkerError as error:  # name the step and phase; a timeout also dumps the stuck stacks
-            raise fault.annotate(error, phase, self.step, getattr(self, "workers", None))
+        except WorkerError as error:
+            raise fault.annotate(error, phase, self.step if step is None else step, getattr(self, "workers", None))
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        with self.naming_failures(phase):
+            yield
         self.record_phase(phase, start, time.perf_counter())
 
     def record_phase(self, phase: str, start: float, end: float) -> None:
@@ -442,10 +449,8 @@ class RLTrainer:
         if self.partial is not None:
             return self.take_partial_generation(pending)
         if pending.result is None:
-            try:
+            with self.naming_failures("rollout", pending.step):
                 pending.result = pending.generation.result()
-            except WorkerError as error:
-                raise fault.annotate(error, "rollout", pending.step, getattr(self, "workers", None))
         return pending.batch.union(pending.result)
 
     def finish_generation_ahead(self) -> None:
@@ -456,10 +461,8 @@ class RLTrainer:
         if pending is None or pending.result is not None or pending.generation is None:
             return
         with self.timed("rollout_wait"):
-            try:
+            with self.naming_failures("rollout", pending.step):
                 pending.result = pending.generation.result()
-            except WorkerError as error:
-                raise fault.annotate(error, "rollout", pending.step, getattr(self, "workers", None))
         generating = pending.result.meta_info.get("timing/generate_rank0", time.perf_counter() - pending.started)
         pending.span = (pending.started, pending.started + generating)
 
@@ -485,10 +488,8 @@ class RLTrainer:
     def check_weight_loads(self, wait: bool = False) -> None:
         """Surface a failed load of staged weights (max_staleness >= 2); with `wait`, wait for every queued one."""
         while self.weight_loads and (wait or self.weight_loads[0].done()):
-            try:
+            with self.naming_failures("weight_sync"):
                 self.weight_loads.pop(0).result()
-            except WorkerError as error:
-                raise fault.annotate(error, "weight_sync", self.step, getattr(self, "workers", None))
 
     def staleness_metrics(self, batch: DataProto) -> dict[str, float]:
         """async/staleness_{max,mean}: the trainer's version - the version of the weights that generated each sample
@@ -534,10 +535,8 @@ class RLTrainer:
         pool, step = self.partial, pending.step
         if pending.generation is not None:
             if pending.result is None:
-                try:
+                with self.naming_failures("rollout", step):
                     pending.result = pending.generation.result()
-                except WorkerError as error:
-                    raise fault.annotate(error, "rollout", step, getattr(self, "workers", None))
             samples, version = pending.partial
             pool.absorb(samples, pending.result, version, step)
         max_rounds = -(-pool.response_length // pool.budget) + 1
@@ -546,11 +545,9 @@ class RLTrainer:
             if len(pool.ready_groups()) >= pool.batch_size:
                 break
             samples = pool.unfinished()
-            try:
+            with self.naming_failures("rollout", step):
                 generated = self.actor_rollout.generate_sequences(pool.requests(samples, step, round_index),
                                                                   _timeout=self.cfg.trainer.timeouts.rollout)
-            except WorkerError as error:
-                raise fault.annotate(error, "rollout", step, getattr(self, "workers", None))
             pool.absorb(samples, generated, self.policy_version, step)
             pending.rounds_span = (start, time.perf_counter())
         batch, pending.metrics = pool.take_batch(train_version=self.policy_version, step=step)
@@ -599,10 +596,8 @@ class RLTrainer:
         if overlap:
             return PendingScores(self.scoring_thread.submit(score), batch, sequential=False)
         done: Future = Future()
-        try:
+        with self.naming_failures("reward"):  # (the reward model runs on a worker)
             done.set_result(score())
-        except WorkerError as error:  # the reward model's worker failed
-            raise fault.annotate(error, "reward", self.step, getattr(self, "workers", None))
         return PendingScores(done, batch, sequential=True)
 
     def join_scores(self, batch: DataProto, scores: PendingScores) -> dict[str, float]:
@@ -614,10 +609,8 @@ class RLTrainer:
         if scores.future is None:  # joined already (dynamic sampling)
             return {}
         wait_start = time.perf_counter()
-        try:
+        with self.naming_failures("reward"):  # (the reward model runs on a worker)
             scored, metrics, start, end = scores.future.result()
-        except WorkerError as error:  # the reward model's worker failed
-            raise fault.annotate(error, "reward", self.step, getattr(self, "workers", None))
         waited = end - start if scores.sequential else time.perf_counter() - wait_start
         self.record_phase("reward", start, end)
         columns = scored.select(batch_keys=scores.new_keys, non_tensor_keys=[], meta_info_keys=[])
