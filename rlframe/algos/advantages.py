@@ -19,13 +19,17 @@ return the advantages there (nothing reads them).
 
 The "outcome reward" of a sequence is the sum of its token rewards: r_i = sum_t R[i, t] * m[i, t].
 
-Register your own with `@register_advantage_estimator("name")`, or load it from a file through
-`rlframe.algos.plugins.register_from_config`.
+Each registry entry also says what its estimator needs from the step before it runs
+(`EstimatorNeeds`: a critic's values, groups of n >= 2 samples, a greedy baseline, multi-turn
+rollouts); the configuration checks and the driver ask `estimator_needs(name)`, never the name.
+
+Register your own with `@register_advantage_estimator("name", needs=EstimatorNeeds(...))`, or load it
+from a file through `rlframe.algos.plugins.register_from_config` (a `needs` attribute on the function).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Protocol
 
 import numpy as np
@@ -68,11 +72,34 @@ class AdvantageEstimator(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs from the step before it runs (all False: rewards and the mask only).
+
+    critic:          values from a critic (`values`): the value model is started and trained (PPO's gae).
+    groups:          n >= 2 samples per prompt (`group_index`): its baseline comes from the other samples
+                     of the prompt; with one sample every advantage is 0.
+    greedy_baseline: the reward of one greedy response per prompt (`baseline_rewards`), from the same
+                     weights that sampled the batch (ReMax).
+    multi_turn:      multi-turn rollouts: it credits the model turns of a response (grpo_turn).
+    """
+
+    critic: bool = False
+    groups: bool = False
+    greedy_baseline: bool = False
+    multi_turn: bool = False
+
+
+NEED_NAMES = tuple(f.name for f in fields(EstimatorNeeds))
+NO_NEEDS = EstimatorNeeds()
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: make `fn` available as `get_advantage_estimator(name)`.
+def register_advantage_estimator(
+    name: str, needs: EstimatorNeeds = NO_NEEDS
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: make `fn` available as `get_advantage_estimator(name)`, needing `needs`.
 
     The registry holds a wrapped copy that honours `config.whiten` and zeroes the result outside
     the mask, whatever the estimator itself does; the decorated function itself is unchanged.
@@ -81,7 +108,7 @@ def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], Ad
     def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = _with_common_postprocessing(fn)
+        ADVANTAGE_ESTIMATORS[name] = _with_common_postprocessing(fn, needs)
         return fn
 
     return decorator
@@ -100,7 +127,13 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return estimator
 
 
-def _with_common_postprocessing(estimator: AdvantageEstimator) -> AdvantageEstimator:
+def estimator_needs(name: str) -> EstimatorNeeds:
+    """What the registered estimator `name` needs (its registry entry's `needs`; KeyError naming the
+    registered ones if there is none). An entry put into ADVANTAGE_ESTIMATORS by hand needs nothing."""
+    return getattr(get_advantage_estimator(name), "needs", NO_NEEDS)
+
+
+def _with_common_postprocessing(estimator: AdvantageEstimator, needs: EstimatorNeeds) -> AdvantageEstimator:
     def run(token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None):
         advantages, returns = estimator(
             token_level_rewards,
@@ -117,6 +150,7 @@ def _with_common_postprocessing(estimator: AdvantageEstimator) -> AdvantageEstim
 
     run.__name__ = getattr(estimator, "__name__", "advantage_estimator")
     run.__doc__ = estimator.__doc__
+    run.needs = needs
     return run
 
 
@@ -184,7 +218,7 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
 # estimators
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs=EstimatorNeeds(critic=True))
 def compute_gae_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):
@@ -216,7 +250,7 @@ def compute_gae_advantage(
     return advantages * mask, returns * mask
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", needs=EstimatorNeeds(groups=True))
 def compute_grpo_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):
@@ -250,7 +284,7 @@ def model_turn_index(response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, turn, torch.full_like(turn, -1))
 
 
-@register_advantage_estimator("grpo_turn")
+@register_advantage_estimator("grpo_turn", needs=EstimatorNeeds(groups=True, multi_turn=True))
 def compute_turn_grpo_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):
@@ -296,7 +330,7 @@ def compute_turn_grpo_advantage(
     return advantages, torch.gather(returns, 1, gather_at) * mask
 
 
-@register_advantage_estimator("drgrpo")
+@register_advantage_estimator("drgrpo", needs=EstimatorNeeds(groups=True))
 def compute_drgrpo_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):
@@ -310,7 +344,7 @@ def compute_drgrpo_advantage(
     return compute_grpo_advantage(token_level_rewards, response_mask, group_index, config=no_std)
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", needs=EstimatorNeeds(groups=True))
 def compute_rloo_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):
@@ -345,7 +379,7 @@ def compute_reinforce_plus_plus_advantage(
     return advantages, returns * mask
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", needs=EstimatorNeeds(groups=True))
 def compute_reinforce_plus_plus_baseline_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):
@@ -362,7 +396,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return advantages, advantages
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", needs=EstimatorNeeds(greedy_baseline=True))
 def compute_remax_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):
@@ -382,7 +416,7 @@ def compute_remax_advantage(
     return advantages, advantages
 
 
-@register_advantage_estimator("opo")
+@register_advantage_estimator("opo", needs=EstimatorNeeds(groups=True))
 def compute_opo_advantage(
     token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None
 ):

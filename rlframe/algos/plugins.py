@@ -7,6 +7,12 @@
 
     register_from_config("policy_loss", "my_loss.py", "my_loss", register_as="my_loss")
     get_policy_loss("my_loss")
+
+An estimator says what it needs (rlframe.algos.advantages.EstimatorNeeds) with a `needs` attribute,
+a dict of those fields or an EstimatorNeeds; without one it needs nothing beyond the rewards:
+
+    def median_baseline(token_level_rewards, response_mask, group_index=None, *, config, **_): ...
+    median_baseline.needs = {"groups": True}    # rollout.n >= 2 is then checked before any worker starts
 """
 
 from __future__ import annotations
@@ -16,9 +22,17 @@ import importlib.util
 import os
 import sys
 import traceback
+from functools import lru_cache
 from typing import Any
 
-from rlframe.algos.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
+from rlframe.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    NEED_NAMES,
+    NO_NEEDS,
+    EstimatorNeeds,
+    estimator_needs,
+    register_advantage_estimator,
+)
 from rlframe.algos.losses import POLICY_LOSSES, register_policy_loss
 
 PLUGIN_KINDS = ("advantage", "policy_loss")
@@ -71,8 +85,9 @@ def register_from_config(kind: str, path: str, name: str, register_as: str | Non
         raise TypeError(f"{name!r} in {path} is a {type(fn).__name__}, not a function")
     registry_name = register_as or name
     if kind == "advantage":
+        needs = declared_needs(fn, f"{name!r} in {path}")
         ADVANTAGE_ESTIMATORS.pop(registry_name, None)
-        register_advantage_estimator(registry_name)(fn)
+        register_advantage_estimator(registry_name, needs=needs)(fn)
     else:
         POLICY_LOSSES.pop(registry_name, None)
         register_policy_loss(registry_name)(fn)
@@ -89,3 +104,50 @@ def register_configured_plugins(algorithm: dict) -> None:
         plugin = algorithm.get(key) or {}
         if plugin.get("path"):
             register_from_config(kind, plugin["path"], plugin["name"])
+
+
+def declared_needs(fn: Any, where: str) -> EstimatorNeeds:
+    """A user estimator's `needs` attribute as EstimatorNeeds: absent -> nothing; a dict of its field
+    names -> those set; an EstimatorNeeds as it is. Anything else is a TypeError / ValueError naming `where`."""
+    needs = getattr(fn, "needs", None)
+    if needs is None:
+        return NO_NEEDS
+    if isinstance(needs, EstimatorNeeds):
+        return needs
+    if not isinstance(needs, dict):
+        raise TypeError(f"{where}: `needs` is a {type(needs).__name__}; give a dict such as {{'groups': True}} "
+                        f"(keys: {', '.join(NEED_NAMES)}) or an rlframe.algos.EstimatorNeeds")
+    unknown = sorted(set(needs) - set(NEED_NAMES))
+    if unknown:
+        raise ValueError(f"{where}: `needs` has unknown keys {unknown}; the keys are {', '.join(NEED_NAMES)}")
+    not_bool = sorted(key for key, value in needs.items() if not isinstance(value, bool))
+    if not_bool:
+        raise TypeError(f"{where}: `needs` values must be true or false ({', '.join(not_bool)} are not)")
+    return EstimatorNeeds(**needs)
+
+
+def configured_estimator_needs(algorithm: Any) -> EstimatorNeeds:
+    """What the run's estimator needs: `algorithm` is the config section (adv_estimator, custom_estimator).
+
+    The user's file of algorithm.custom_estimator, when it provides algorithm.adv_estimator, is read for
+    its `needs` (before it is registered too, as the checks run before the driver registers it); else the
+    registry's entry. A name that is neither needs nothing (validate_config reports it). Raises the
+    loading errors of load_object_from_file / declared_needs.
+    """
+    name, plugin = algorithm.adv_estimator, algorithm.custom_estimator
+    if plugin.path and plugin.name == name:
+        return _needs_in_file(os.path.abspath(os.path.expanduser(plugin.path)), name, _modified(plugin.path))
+    return estimator_needs(name) if name in ADVANTAGE_ESTIMATORS else NO_NEEDS
+
+
+def _modified(path: str) -> int:
+    try:
+        return os.stat(os.path.expanduser(path)).st_mtime_ns
+    except OSError:
+        return 0
+
+
+@lru_cache(maxsize=16)
+def _needs_in_file(path: str, name: str, modified: int) -> EstimatorNeeds:
+    """declared_needs of `name` in the file at `path`, imported once per version of the file (`modified`)."""
+    return declared_needs(load_object_from_file(path, name), f"{name!r} in {path}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rlframe.algos.plugins import configured_estimator_needs
 from rlframe.config import RLConfig, devices_needed, rollout_world_size
 from rlframe.controller import ResourcePool, RoleHandle, WorkerGroup, process_group_backend
 from rlframe.controller.cluster import ClusterRequest, NodeInfo, check_cluster, device_unit, list_nodes, uses_gpus
@@ -111,6 +112,11 @@ class Workers:
     reward_model: RoleHandle | None = None
     placement: list[dict] = field(default_factory=list)
 
+    @property
+    def disaggregated(self) -> bool:
+        """The engines live in their own group (they record the version of the weights they receive)."""
+        return isinstance(self.actor_rollout, DisaggregatedActorRollout)
+
     def group_of(self, role: str) -> WorkerGroup:
         """The group that hosts `role` (the first group for start-up errors, role '<host>')."""
         return next((g for g in self.groups if role in g.roles), self.groups[0])
@@ -134,7 +140,7 @@ class Workers:
 
 def trainer_roles(cfg: RLConfig, model_path: str, *, with_rollout: bool) -> dict:
     """The roles of the trainer pool: the actor (+ its engine when colocated), + ref (KL; under LoRA
-    the actor is the reference policy itself), + reward model, + critic (gae)."""
+    the actor is the reference policy itself), + reward model, + critic (an estimator that needs values: gae)."""
     actor_cls = ActorRolloutWorker if with_rollout else ActorWorker
     roles = {"actor_rollout": (actor_cls, {"settings": worker_settings.actor_settings(cfg, model_path,
                                                                                       with_rollout=with_rollout)})}
@@ -143,7 +149,7 @@ def trainer_roles(cfg: RLConfig, model_path: str, *, with_rollout: bool) -> dict
     if cfg.reward_model.enable:
         rm_path = resolve_model_path(cfg.reward_model.path)
         roles["reward_model"] = (RewardModelWorker, {"settings": worker_settings.reward_model_settings(cfg, rm_path)})
-    if cfg.algorithm.adv_estimator == "gae":
+    if configured_estimator_needs(cfg.algorithm).critic:
         critic_path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_path
         roles["critic"] = (CriticWorker, {"settings": worker_settings.critic_settings(cfg, critic_path)})
     return roles
