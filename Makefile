@@ -9,13 +9,13 @@ PYTHON ?= python3
 VENV ?= .venv
 # The extras of the last `make install` are remembered (.venv/.extras): after
 # `make install EXTRAS=gpu,dev,deepspeed,megatron`, a plain `make run` / `make test` keeps the GPU stack.
-EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron)
+EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron,docs)
 ARGS ?= recipe=grpo_math
 BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install run test test-all clean
+.PHONY: install run test test-all docs clean
 
 install: $(STAMP)
 
@@ -41,12 +41,18 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/python -m rlframe.main $(ARGS)
 
-test: install
+# The docs site is built with --strict first: a broken link or API reference fails the test (and CI).
+test: install docs
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25 tests
 
 # Also the slow end-to-end runs (the real grpo_math learning run: ~12 minutes on 2 cores).
 test-all: install
 	$(BIN)/python -m pytest -q tests
 
+# The docs site (mkdocs.yml, docs/) into site/; installs the `docs` extra if the venv was made without it.
+docs: install
+	test -x $(BIN)/mkdocs || $(BIN)/pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) .pytest_cache runs site
