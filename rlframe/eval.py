@@ -15,7 +15,7 @@ config.yaml, so the result reproduces the run's final validation (same data, pro
 
 The pieces are the trainer's own: RLDataset + collate_prompts for the prompts, the rollout engine
 built from the same RolloutSettings (rlframe/trainer/worker_settings.py) and called through the
-same generate_sequences, the RewardManager, and reported_accuracy for accuracy. It runs in this
+same generate_sequences, and the trainer's scorer (rlframe/trainer/scorer.py) for rewards and accuracy. It runs in this
 process, without Ray.
 
 Metrics: reward_mean, accuracy (mean over all responses = mean@n), and for each k: mean@k (the mean
@@ -156,8 +156,8 @@ def evaluate(cfg, model_path: str, files: list[str], n: int = 1, ks: list[int] |
     from transformers import AutoTokenizer
 
     from rlframe.data.dataset import RLDataset, collate_prompts
-    from rlframe.reward.manager import RewardManager, RewardSpec
-    from rlframe.trainer.rl_trainer import reported_accuracy
+    from rlframe.trainer.phases import PhaseClock
+    from rlframe.trainer.scorer import Scorer, validation_accuracy
     from rlframe.trainer.worker_settings import rollout_settings
     from rlframe.workers.rollout.base import generate_sequences
     from rlframe.workers.rollout.factory import build_rollout_engine
@@ -191,20 +191,14 @@ def evaluate(cfg, model_path: str, files: list[str], n: int = 1, ks: list[int] |
     torch.manual_seed(cfg.trainer.seed)
     batch = batch.union(generate_sequences(engine, settings, prompts, 0))
     mask = batch.batch["response_mask"]
-    positions = torch.arange(mask.size(-1))  # as the trainer decodes: up to the last trained token
-    lengths = ((positions + 1) * (mask > 0)).max(dim=-1).values.tolist()
-    texts = tokenizer.batch_decode([r[:m].tolist() for r, m in zip(batch.batch["responses"], lengths)],
-                                   skip_special_tokens=True)
     nt = batch.non_tensor_batch
-    specs = [RewardSpec(path=f.path, name=f.name, weight=f.weight, data_sources=f.data_sources, kwargs=dict(f.kwargs),
-                        reward_type=f.reward_type) for f in cfg.reward.functions]
-    with RewardManager(specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                       batch_timeout_s=cfg.reward.batch_timeout_s, fallback_score=cfg.reward.fallback_score) as rewards:
-        result = rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]),
-                               response_lengths=mask.sum(-1).long().tolist())
-    accuracy = reported_accuracy(result)
-    if accuracy is None:  # as validation: the share of responses whose reward is >= 1
-        accuracy = (result.scores >= 1.0).astype(float)
+    scorer = Scorer(cfg, tokenizer, PhaseClock())  # the trainer's decoding and scoring, its accuracy as validation's
+    try:
+        texts = scorer.decode(batch)
+        result, _, _ = scorer.rule_and_model_scores(batch, texts)
+    finally:
+        scorer.close()
+    accuracy = validation_accuracy(result)
     correct = np.nan_to_num(accuracy.reshape(count, n)) >= 0.5
     metrics = {"reward_mean": float(np.mean(result.scores)), "accuracy": float(np.nanmean(accuracy)),
                "response_length": float(mask.sum(-1).float().mean()), "prompts": float(count), "n": float(n)}

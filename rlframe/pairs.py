@@ -1,4 +1,4 @@
-"""On-policy preference pairs from the command line (the generation itself: rlframe/stages/pairs.py).
+"""On-policy preference pairs from the command line (the generation itself: rlframe/stages/pair_generation.py).
 
     python -m rlframe.pairs recipe=dpo_math [model.path=...] [pairs.n=4 pairs.prompts=256] out=pairs.jsonl
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from rlframe.models.provision import resolve_model_path
     from rlframe.stages.dpo import PairSampler
-    from rlframe.stages.pairs import generate_pairs
+    from rlframe.stages.pair_generation import generate_pairs
 
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)

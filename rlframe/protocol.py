@@ -355,3 +355,59 @@ def _tensor_from_wire(value: Any) -> Any:
     if not data.flags.writeable:  # Ray hands out read-only views of its shared memory: copy once
         data = data.copy()
     return torch.from_numpy(data).view(value.dtype).reshape(value.shape)
+
+
+# ---------------------------------------------------------------- the rows that cross the driver/worker line
+AGENT_END_REASONS = ("answer", "turn_limit", "budget", "env_error")  # the values of a multi-turn row's agent_end
+
+
+def build_rollout_batch(prompts: DataProto, responses: list[list[int]], log_probs: list[list[float]],
+                        response_width: int, pad_token_id: int) -> DataProto:
+    """Pack generated responses next to their left-padded prompts.
+
+    Returns prompts [B,P], responses [B,R] (right-padded), input_ids / attention_mask /
+    position_ids [B,P+R], response_mask [B,R] (1 on generated tokens, EOS included) and
+    rollout_log_probs [B,R] (the engine's log-probs of the sampled tokens).
+    """
+    batch_size = len(responses)
+    response_ids = torch.full((batch_size, response_width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((batch_size, response_width), dtype=torch.float32)
+    rollout_log_probs = torch.zeros((batch_size, response_width), dtype=torch.float32)
+    for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
+        tokens = tokens[:response_width]
+        response_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        response_mask[i, : len(tokens)] = 1.0
+        rollout_log_probs[i, : len(tokens)] = torch.tensor(lps[: len(tokens)], dtype=torch.float32)
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return DataProto.from_dict(tensors={
+        "prompts": prompt_ids,
+        "responses": response_ids,
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "rollout_log_probs": rollout_log_probs,
+    })
+
+
+def as_messages(prompt) -> list[dict]:
+    """A row's raw_prompt (a string, or chat messages in any sequence type) as a list of plain message dicts."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    messages = [dict(m) for m in prompt]  # numpy object arrays, tuples, ... -> plain dicts
+    if not all("role" in m and "content" in m for m in messages):
+        raise ValueError("raw_prompt must be a string or a list of {'role', 'content'} messages")
+    return messages
+
+
+def render_for_scoring(tokenizer, prompt, response: str) -> str:
+    """The text a reward model scores for (prompt, response): the tokenizer's chat template over the
+    conversation, else the plain concatenation. Reward-model training renders its pairs the same way."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(as_messages(prompt) + [{"role": "assistant", "content": response}],
+                                             tokenize=False)
+    if not isinstance(prompt, str):
+        prompt = "\n".join(m["content"] for m in as_messages(prompt))
+    return prompt + response

@@ -14,8 +14,10 @@ import torch
 from conftest import vllm_installed
 from helpers_tokenizer import build_tokenizer
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.agent_loop import END_ANSWER, END_BUDGET, END_TURN_LIMIT, AgentLoop, ObservationRenderer, agent_metrics
-from rlframe.workers.rollout.base import build_rollout_batch, unpadded_prompts
+from rlframe.trainer.agent_metrics import agent_metrics
+from rlframe.workers.rollout.agent_loop import END_ANSWER, END_BUDGET, END_TURN_LIMIT, AgentLoop, ObservationRenderer
+from rlframe.protocol import build_rollout_batch
+from rlframe.workers.rollout.base import unpadded_prompts
 from rlframe.workers.rollout.tools import ToolLoadError, load_tool, parse_hermes
 from rlframe.workers.settings import MultiTurnSettings, SamplingSettings
 
@@ -313,7 +315,7 @@ def test_e2e_feedback_recipe_vllm(tmp_path, tiny_model_dir):
 def test_outcome_reward_lands_on_the_last_model_token():
     """With tool tokens (mask 0) between model turns the score goes on the last model token; on a
     contiguous single-turn mask the placement equals the former `mask.sum() - 1`."""
-    from rlframe.trainer.rl_trainer import place_scores_on_last_token
+    from rlframe.trainer.scorer import place_scores_on_last_token
 
     holes = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0], [0] * 8], dtype=torch.float32)
     placed = place_scores_on_last_token([2.0, 3.0, 4.0], holes)
@@ -501,8 +503,8 @@ def test_per_turn_rewards_move_to_their_turns():
     """rollout.multi_turn.turn_rewards=per_turn, by hand: row 0 has two model turns (tokens 0-1 and 4-5)
     judged 0.5 and 1.0, outcome 1.0; the outcome placement put 2.5 on token 5. Per turn: 0.5 on token 1,
     2.0 on token 5 (1.0 + 1.0); the total stays 2.5. Row 1 (nothing generated) stays 0."""
-    from rlframe.trainer.rl_trainer import place_scores_on_last_token
-    from rlframe.workers.rollout.agent_loop import place_turn_rewards
+    from rlframe.trainer.scorer import place_scores_on_last_token
+    from rlframe.trainer.scorer import place_turn_rewards
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [0] * 8], dtype=torch.float32)
     placed = place_scores_on_last_token(np.array([2.5, 0.0]), mask)

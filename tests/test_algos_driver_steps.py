@@ -1,12 +1,12 @@
 """The driver's algorithm steps on hand-computed numbers: DAPO overlong shaping, the KL in the reward,
-ReMax's greedy baseline and what validation reports (rlframe/trainer/algorithm_steps.py, rl_trainer.py).
+ReMax's greedy baseline and what validation reports (rlframe/trainer/algorithm_steps.py, scorer.py,
+validation.py, rollout_source.py).
 
-No workers: the trainer's rollout is a stub that returns fixed responses."""
+No workers: the rollout engine is a stub that returns fixed responses; the scorer and the reward functions are real."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,10 +15,14 @@ import torch
 from rlframe.algos import FixedKLController
 from rlframe.config import RLConfig
 from rlframe.protocol import DataProto
-from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
+from rlframe.config import RewardFunctionConfig
+from rlframe.reward.manager import RewardResult
 from rlframe.trainer import algorithm_steps
-from rlframe.trainer.rl_trainer import RLTrainer, reported_accuracy
-from rlframe.trainer.tracking import Tracker
+from rlframe.trainer.phases import PhaseClock
+from rlframe.trainer.rollout_source import RolloutSource
+from rlframe.trainer.scorer import (Scorer, last_trained_token, overlong_penalties, reported_accuracy,
+                                    shape_overlong)
+from rlframe.trainer.validation import validate_by_generation
 
 
 def overlong_config(max_len=8, buffer=4, factor=0.5) -> RLConfig:
@@ -41,13 +45,29 @@ def test_overlong_shaping_hand_computed():
     batch = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores})
     # the buffer starts at 8 - 4 = 4 tokens: L=3 -> 0; L=5 -> (4 - 5) / 4 = -0.25; L=8 -> -1; x factor 0.5
     expected_penalty = torch.tensor([0.0, -0.125, -0.5, 0.0])
-    assert torch.allclose(algorithm_steps.overlong_penalties(mask, overlong_config()), expected_penalty)
-    metrics = algorithm_steps.shape_overlong(batch, overlong_config())
+    assert torch.allclose(overlong_penalties(mask, overlong_config()), expected_penalty)
+    metrics = shape_overlong(batch, overlong_config())
     assert torch.allclose(batch.batch["token_level_scores"].sum(-1), torch.tensor([1.0, 0.875, 0.5, 0.0]))
     assert batch.batch["token_level_scores"][1, 4] == pytest.approx(0.875)  # on the last token
     assert metrics == pytest.approx({"reward/overlong_penalty": -0.625 / 4, "reward/overlong_frac": 0.5})
     off = RLConfig()
-    assert algorithm_steps.overlong_penalties(mask, off) is None and algorithm_steps.shape_overlong(batch, off) == {}
+    assert overlong_penalties(mask, off) is None and shape_overlong(batch, off) == {}
+
+
+def test_overlong_penalty_lands_on_the_last_trained_token_of_a_mask_with_holes():
+    """A multi-turn response: model turn (tokens 0-1), tool tokens (2-4, mask 0), model turn (5-6), padding.
+    mask.sum() - 1 = 3 is a tool token; the penalty belongs on token 6, where the outcome score sits."""
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    assert last_trained_token(mask).tolist() == [6, 2]
+    scores = torch.zeros(2, 8)
+    scores[0, 6], scores[1, 2] = 1.0, 1.0
+    batch = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores})
+    # max length 6, buffer 4: the buffer starts at 2 trained tokens; L=4 -> (2 - 4) / 4 = -0.5, L=3 -> -0.25; x 0.5
+    shape_overlong(batch, overlong_config(max_len=6, buffer=4, factor=0.5))
+    shaped = batch.batch["token_level_scores"]
+    assert shaped[0].tolist() == [0, 0, 0, 0, 0, 0, 0.75, 0]  # on token 6, not on the tool token 3
+    assert shaped[1].tolist() == [0, 0, 0.875, 0, 0, 0, 0, 0]
+    assert batch.batch["outcome_scores"].tolist() == [1.0, 1.0]
 
 
 def test_dynamic_sampling_compares_the_scores_before_overlong_shaping():
@@ -58,7 +78,7 @@ def test_dynamic_sampling_compares_the_scores_before_overlong_shaping():
     scores[0, 2], scores[1, 7], scores[2, 1] = 1.0, 1.0, 1.0
     batch = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores.clone()},
                                 non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
-    algorithm_steps.shape_overlong(batch, overlong_config())
+    shape_overlong(batch, overlong_config())
     assert torch.equal(batch.batch["outcome_scores"], torch.tensor([1.0, 1.0, 1.0, 0.0]))
     kept = algorithm_steps.keep_informative(batch)
     assert list(kept.non_tensor_batch["uid"]) == ["b", "b"]
@@ -138,35 +158,35 @@ class StubTokenizer:
         return ["x" * len(row) for row in rows]
 
 
-class StubTrainer(RLTrainer):
-    """The driver's methods on stub workers (no Ray, no model)."""
-
-    actor_rollout = property(lambda self: self._rollout)
-    reward_model = property(lambda self: None)
-
-    def __init__(self, cfg: RLConfig, rewards: RewardManager, lengths, truths, run_dir: Path):
-        self.cfg, self.rewards, self._rollout, self.run_dir = cfg, rewards, StubRollout(lengths), run_dir
-        self.tokenizer, self.pad_token_id, self.phase_times, self.step = StubTokenizer(), 0, {}, 0
-        self.timeline = []
-        self.val_set = [{"input_ids": [5, 6], "raw_prompt": "p", "ground_truth": truth, "data_source": "d",
-                         "extra_info": None, "index": i} for i, truth in enumerate(truths)]
-        self.tracker = Tracker(run_dir, ["jsonl"], "rlframe", "stub", {})
+VAL_ROWS = [{"input_ids": [5, 6], "raw_prompt": "p", "data_source": "d", "extra_info": None}]
 
 
-def reward_manager(tmp_path, *sources) -> RewardManager:
-    specs = []
+def val_set(truths) -> list[dict]:
+    return [{**VAL_ROWS[0], "ground_truth": truth, "index": i} for i, truth in enumerate(truths)]
+
+
+def scorer_of(cfg: RLConfig, tmp_path, *sources) -> Scorer:
+    """The real scorer over reward files written from `sources` (run in this process: num_workers=0)."""
+    cfg.reward.functions = []
     for i, source in enumerate(sources):
         path = tmp_path / f"fn{i}.py"
         path.write_text(source)
-        specs.append(RewardSpec(path=str(path)))
-    return RewardManager(specs, num_workers=0)
+        cfg.reward.functions.append(RewardFunctionConfig(path=str(path)))
+    cfg.reward.num_workers = 0
+    return Scorer(cfg, StubTokenizer(), PhaseClock())
+
+
+def validate(cfg, scorer, lengths, truths):
+    rollout = StubRollout(lengths)
+    metrics, samples = validate_by_generation(cfg, val_set(truths), rollout, scorer, pad_token_id=0)
+    return metrics, samples, rollout
 
 
 def test_validation_main_case_keys_keep_their_meaning(tmp_path):
-    trainer = StubTrainer(RLConfig(), reward_manager(tmp_path, PER_SAMPLE), [2, 4, 8, 8], ["a", "b", "a", "a"],
-                          tmp_path)
-    metrics = trainer.validate()
-    assert trainer.actor_rollout.calls == [{"validate": True}]
+    cfg = RLConfig()
+    metrics, samples, rollout = validate(cfg, scorer_of(cfg, tmp_path, PER_SAMPLE), [2, 4, 8, 8], ["a", "b", "a", "a"])
+    assert rollout.calls == [{"validate": True}]
+    assert [s["score"] for s in samples] == [1.0, 0.0, 1.0, 1.0] and samples[0]["response"] == "xx"
     assert metrics["val/reward_mean"] == metrics["val/score_mean"] == 0.75  # no RM, no shaping: the same
     assert metrics["val/accuracy"] == 0.75
     assert metrics["val/response_length"] == 5.5
@@ -174,9 +194,9 @@ def test_validation_main_case_keys_keep_their_meaning(tmp_path):
 
 def test_validation_several_functions_shaping_and_batch_lengths(tmp_path, caplog):
     cfg = overlong_config(max_len=8, buffer=4, factor=1.0)
-    trainer = StubTrainer(cfg, reward_manager(tmp_path, PER_SAMPLE, BATCH), [2, 4, 8], ["a", "b", "a"], tmp_path)
-    with caplog.at_level(logging.INFO, logger="rlframe.trainer.rl_trainer"):
-        metrics = trainer.validate()
+    scorer = scorer_of(cfg, tmp_path, PER_SAMPLE, BATCH)
+    with caplog.at_level(logging.INFO, logger="rlframe.trainer.scorer"):
+        metrics, _, _ = validate(cfg, scorer, [2, 4, 8], ["a", "b", "a"])
     # rule score = (1, 0, 1) + length / 10 (the batch function gets the real lengths 2, 4, 8)
     assert metrics["val/reward_mean"] == pytest.approx((1.2 + 0.4 + 1.8) / 3)
     # the training score adds the overlong penalty: 0, 0, -1 (L = 8 is at the limit)
@@ -186,21 +206,29 @@ def test_validation_several_functions_shaping_and_batch_lengths(tmp_path, caplog
 
 
 def test_validation_without_acc_says_what_accuracy_means(tmp_path, caplog):
-    trainer = StubTrainer(RLConfig(), reward_manager(tmp_path, NO_ACC), [2, 4, 8], ["a", "b", "b"], tmp_path)
-    with caplog.at_level(logging.INFO, logger="rlframe.trainer.rl_trainer"):
-        metrics = trainer.validate()
-        trainer.validate()
+    cfg = RLConfig()
+    scorer = scorer_of(cfg, tmp_path, NO_ACC)
+    with caplog.at_level(logging.INFO, logger="rlframe.trainer.scorer"):
+        metrics, _, _ = validate(cfg, scorer, [2, 4, 8], ["a", "b", "b"])
+        validate(cfg, scorer, [2, 4, 8], ["a", "b", "b"])
     assert metrics["val/accuracy"] == pytest.approx(1 / 3)  # rewards 2, 0.5, 0.5: one is >= 1
     assert caplog.text.count("no reward function returns an 'acc' key") == 1
 
 
 def test_remax_greedy_baseline_is_overlong_shaped_like_the_samples(tmp_path):
     cfg = overlong_config(max_len=8, buffer=4, factor=0.5)
-    trainer = StubTrainer(cfg, reward_manager(tmp_path, PER_SAMPLE), [3, 8], ["a", "b"], tmp_path)
-    batch = DataProto.from_dict(non_tensors={key: [row[key] for row in trainer.val_set]
+    cfg.algorithm.adv_estimator = "remax"
+    cfg.data.train_batch_size = 2
+    scorer = scorer_of(cfg, tmp_path, PER_SAMPLE)
+    rows = val_set(["a", "b"])
+    source = RolloutSource(cfg, rows, scorer, scorer.clock, model_path="unused", pad_token_id=0)
+    rollout = StubRollout([3, 8])
+    source.attach(rollout, engines_record_versions=False)
+    assert source.greedy_baseline_needed
+    batch = DataProto.from_dict(non_tensors={key: [row[key] for row in rows]
                                              for key in ("raw_prompt", "ground_truth", "data_source", "extra_info")})
     prompts = DataProto.from_dict(tensors={"input_ids": torch.ones(2, 2, dtype=torch.long)}, meta_info={"step": 1})
-    baseline = trainer.greedy_baseline(batch, prompts)
-    assert trainer.actor_rollout.calls == [{"greedy": True}]
+    baseline = source.greedy_baseline(batch, prompts)
+    assert rollout.calls == [{"greedy": True}]
     # scores 1, 0; penalties 0 (L=3) and 0.5 * -1 (L=8, the limit)
     assert torch.allclose(baseline, torch.tensor([1.0, -0.5]))

@@ -139,7 +139,7 @@ def test_bad_pairs_named_by_file_and_row(tiny_model_dir, tmp_path):
 
 
 def test_select_pair_best_and_worst():
-    from rlframe.stages.pairs import select_pair
+    from rlframe.stages.pair_generation import select_pair
 
     assert select_pair([0.0, 1.0, 0.9, 0.0], 0.5) == (1, 0)
     assert select_pair([0.9, 1.0], 0.5) is None  # both correct: no preference worth learning

@@ -26,7 +26,8 @@ from rlframe.algos.off_policy import truncated_is_weights
 from rlframe.config import ConfigError, RLConfig, off_policy_correction, partial_tokens_per_round, validate_config
 from rlframe.protocol import DataProto
 from rlframe.trainer.partial import PartialRolloutPool
-from rlframe.workers.rollout.base import build_rollout_batch, generate_sequences
+from rlframe.protocol import build_rollout_batch
+from rlframe.workers.rollout.base import generate_sequences
 from rlframe.workers.settings import SamplingSettings
 
 from conftest import vllm_installed

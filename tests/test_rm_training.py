@@ -81,3 +81,20 @@ def test_rm_math_recipe_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
     config = json.loads((run_dir / "hf_model" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
     assert "reward_model.path=" in result.stdout
+
+
+def test_rm_stage_hands_the_engine_its_own_section_megatron_tp2(tiny_model_dir):
+    """stage=rm builds its engine settings through the one function every role uses: the Megatron layout
+    (and offload, checkpoint format) reach the reward trainer (they were dropped by a hand-built copy)."""
+    from rlframe.config import validate_config
+    from rlframe.main import compose_config
+    from rlframe.stages.reward_model import reward_trainer_settings
+
+    cfg = compose_config(["recipe=rm_math", f"model.path={tiny_model_dir}", "actor.strategy=megatron",
+                          "actor.world_size=2", "megatron.tensor_model_parallel_size=2",
+                          "rm.head_lr=0.5"])
+    validate_config(cfg)
+    engine = reward_trainer_settings(cfg, str(tiny_model_dir)).engine
+    assert engine.strategy == "megatron" and engine.head == "value"
+    assert engine.section.tensor_model_parallel_size == 2
+    assert engine.optim.head_lr == 0.5

@@ -211,7 +211,7 @@ def test_mrope_positions_hand_computed(vlm_dir):
 
 
 def rollout_like_batch(ds, tokenizer, rows, response_lengths, width=8, text_row=None):
-    from rlframe.workers.rollout.base import build_rollout_batch
+    from rlframe.protocol import build_rollout_batch
 
     items = [ds[i] for i in rows] + ([text_row] if text_row is not None else [])
     prompts = collate_prompts(items, tokenizer.pad_token_id)

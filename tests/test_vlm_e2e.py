@@ -41,7 +41,7 @@ def image_batch(model_dir, tmp_path):
 
     from rlframe.data.dataset import RLDataset, collate_prompts
     from rlframe.data.shapes import generate_shapes_dataset
-    from rlframe.workers.rollout.base import build_rollout_batch
+    from rlframe.protocol import build_rollout_batch
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, _ = generate_shapes_dataset(tmp_path / "shapes", n_train=8, n_val=2)

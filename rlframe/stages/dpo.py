@@ -1,6 +1,6 @@
 """stage=dpo: DPO and its relatives (IPO, SimPO, length-normalised) on the same workers as RL.
 
-    pairs  = the pair files, or generate_pairs(prompts) (rlframe/pairs.py: the policy's own samples)
+    pairs  = the pair files, or generate_pairs(prompts) (stages/pair_generation.py: the policy's own samples)
     ref    = ref.compute_ref_log_prob(all pairs)      # once, by the reference role (not for simpo)
     for step in steps:
         batch = collate_pairs(next pairs) + ref_logps # rows 2i chosen, 2i+1 rejected
@@ -23,11 +23,10 @@ import torch
 from rlframe.algos.preference import REFERENCE_FREE, sequence_log_probs
 from rlframe.config import RLConfig
 from rlframe.data.dataset import RLDataset, read_rows
-from rlframe.stages.pairs import generate_pairs
+from rlframe.stages.pair_generation import generate_pairs
 from rlframe.stages.common import StageTrainer
 from rlframe.stages.data import collate_pairs, load_pairs
-from rlframe.trainer import checkpoint
-from rlframe.trainer.worker_settings import actor_settings, policy_engine_settings
+from rlframe.trainer.worker_settings import actor_settings, engine_settings
 from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker, PreferenceSettings
 from rlframe.workers.roles.ref import RefWorker
 from rlframe.workers.settings import ActorSettings, ForwardSettings, RefSettings, UpdateLoop
@@ -48,7 +47,7 @@ def preference_settings(cfg: RLConfig) -> PreferenceSettings:
 
 def reference_settings(cfg: RLConfig, model_path: str) -> RefSettings:
     """The frozen initial policy; log-probs at temperature 1 (the likelihood DPO compares)."""
-    return RefSettings(engine=policy_engine_settings(cfg, model_path, train=False),
+    return RefSettings(engine=engine_settings(cfg, "ref", model_path),
                        log_prob=ForwardSettings(micro_batch_size=cfg.actor.log_prob_micro_batch_size_per_device))
 
 
@@ -60,42 +59,44 @@ def needs_pair_generation(cfg: RLConfig, train_files: list[str]) -> bool:
     return bool(rows) and cfg.dpo.chosen_key not in rows[0]
 
 
+def pair_prompts(cfg: RLConfig, tokenizer, files: list[str]) -> RLDataset:
+    """The prompts (+ ground truth) that pairs are sampled for."""
+    data = cfg.data
+    return RLDataset(files, tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                     prompt_template=data.prompt_template, max_prompt_length=data.max_prompt_length,
+                     overlong=data.overlong, bad_rows=data.bad_rows)
+
+
 class PairSampler(StageTrainer):
     """The policy with its rollout engine and the reward functions, for `rlframe.pairs` alone."""
 
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, run_dir: Path):
+        super().__init__(cfg, model_path, tokenizer, run_dir)
         self.roles = {"actor_rollout": (PolicyTrainerWorker, {"settings": policy_settings(cfg, model_path)})}
-        self.setup(cfg, model_path, tokenizer, [], run_dir)
+        self.start([])
 
     def prompt_set(self, files: list[str]) -> RLDataset:
-        data = self.cfg.data
-        return RLDataset(files, self.tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                         prompt_template=data.prompt_template, max_prompt_length=data.max_prompt_length,
-                         overlong=data.overlong, bad_rows=data.bad_rows)
-
-    def close(self) -> None:
-        self.rewards.close()
-        self.workers.shutdown()
+        return pair_prompts(self.cfg, self.tokenizer, files)
 
 
-class DPOTrainer(PairSampler):
+class DPOTrainer(StageTrainer):
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
                  run_dir: Path):
+        super().__init__(cfg, model_path, tokenizer, run_dir)
         d = cfg.dpo
         self.reference_free = d.loss in REFERENCE_FREE
         self.roles = {"actor_rollout": (PolicyTrainerWorker, {"settings": policy_settings(cfg, model_path),
                                                               "preference": preference_settings(cfg)})}
         if not self.reference_free:
             self.roles["ref"] = (RefWorker, {"settings": reference_settings(cfg, model_path)})
-        self.setup(cfg, model_path, tokenizer, val_files, run_dir)
-        self.pair_stats: dict[str, float] = {}
+        self.start(val_files)
         pair_files = train_files
         if needs_pair_generation(cfg, train_files):
             out = Path(d.pairs_file) if d.pairs_file else run_dir / "data" / "pairs.jsonl"
             if out.exists():  # a resumed run trains on the pairs it drew first
                 print(f"pairs: reusing {out}", flush=True)
             else:
-                self.pair_stats = generate_pairs(self, self.prompt_set(train_files), out)
+                self.setup_metrics = generate_pairs(self, pair_prompts(cfg, tokenizer, train_files), out)
             pair_files = [str(out)]
         self.pairs = load_pairs(pair_files, tokenizer, prompt_key=cfg.data.prompt_key, chosen_key=d.chosen_key,
                                 rejected_key=d.rejected_key, max_length=d.max_length, overlong=cfg.data.overlong,
@@ -103,8 +104,9 @@ class DPOTrainer(PairSampler):
         self.ref_logps = None if self.reference_free else self.reference_log_probs()
         self.plan_steps(len(self.pairs), d.batch_size, d.epochs, "pairs")
 
-    def close(self) -> None:
-        StageTrainer.close(self)
+    @property
+    def val_every(self) -> int:
+        return self.cfg.dpo.val_every
 
     def reference_log_probs(self) -> torch.Tensor:
         """[2 x pairs]: the reference's sequence log-probs of every chosen and rejected reply, once."""
@@ -113,7 +115,7 @@ class DPOTrainer(PairSampler):
             batch = collate_pairs(self.pairs[first:first + REF_CHUNK_PAIRS], self.pad_token_id)
             token_lp = self.ref.compute_ref_log_prob(batch, _timeout=self.cfg.trainer.timeouts.log_prob).batch["ref_log_prob"]
             parts.append(sequence_log_probs(token_lp, batch.batch["response_mask"], self.cfg.dpo.length_normalize))
-        self.pair_stats["timing/ref_log_prob"] = time.perf_counter() - start
+        self.setup_metrics["timing/ref_log_prob"] = time.perf_counter() - start
         return torch.cat(parts)
 
     def pair_batch(self, indices: list[int]):
@@ -123,25 +125,8 @@ class DPOTrainer(PairSampler):
             batch.batch["ref_logps"] = self.ref_logps[rows]
         return batch
 
-    def train(self, start_step: int) -> dict:
-        cfg = self.cfg
-        if start_step == 0 and cfg.trainer.val_before_train:
-            self.first_val = {**self.validate(), **self.pair_stats}
-            self.tracker.log(0, self.first_val)
-        for step in range(start_step + 1, cfg.trainer.total_steps + 1):
-            self.step, self.phase_times = step, {}
-            step_start = time.perf_counter()
-            batch = self.pair_batch(next(self.batches))
-            batch.meta_info["step"] = step
-            with self.timed("update"):
-                metrics = dict(self.actor_rollout.update_dpo(batch, _timeout=cfg.trainer.timeouts.update).meta_info["metrics"])
-            last = step == cfg.trainer.total_steps
-            if (cfg.dpo.val_every and step % cfg.dpo.val_every == 0 and not last) or (last and cfg.trainer.val_at_end):
-                metrics.update(self.validate())
-            metrics.update({f"timing/{k}": v for k, v in self.phase_times.items()})
-            metrics["timing/step"] = time.perf_counter() - step_start
-            self.tracker.log(step, metrics)
-            self.last_metrics = metrics
-            if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
-                self.save_checkpoint(step)
-        return self.finish()
+    def train_step(self, step: int) -> dict[str, float]:
+        batch = self.pair_batch(next(self.batches))
+        batch.meta_info["step"] = step
+        with self.clock.timed("update"):
+            return dict(self.actor_rollout.update_dpo(batch, _timeout=self.cfg.trainer.timeouts.update).meta_info["metrics"])

@@ -24,7 +24,6 @@ from rlframe.config import RLConfig
 from rlframe.data.dataset import read_rows
 from rlframe.stages.common import StageTrainer
 from rlframe.stages.data import collate_sft, load_sft_examples
-from rlframe.trainer import checkpoint
 from rlframe.trainer.worker_settings import actor_settings
 from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker
 from rlframe.workers.settings import ActorSettings, UpdateLoop
@@ -64,6 +63,7 @@ def sft_settings(cfg: RLConfig, model_path: str) -> ActorSettings:
 class SFTTrainer(StageTrainer):
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
                  run_dir: Path):
+        super().__init__(cfg, model_path, tokenizer, run_dir)
         sft = cfg.sft
         kwargs = dict(prompt_key=cfg.data.prompt_key, response_key=sft.response_key, messages_key=sft.messages_key,
                       max_length=sft.max_length, overlong=cfg.data.overlong, bad_rows=cfg.data.bad_rows)
@@ -77,11 +77,26 @@ class SFTTrainer(StageTrainer):
         self.roles = {"actor_rollout": (PolicyTrainerWorker, {"settings": sft_settings(cfg, model_path)})}
         print(f"SFT: {len(self.train_examples)} training rows, {len(self.val_examples)} validation rows; "
               f"loss on {sft.loss_on} tokens", flush=True)
-        self.setup(cfg, model_path, tokenizer, val_files, run_dir)
+        self.start(val_files)
         self.plan_steps(len(self.train_examples), sft.batch_size, sft.epochs, "training rows")
 
-    def evaluation(self) -> dict[str, float]:
-        metrics = self.validate()
+    @property
+    def val_every(self) -> int:
+        return self.cfg.sft.val_every
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        batch = collate_sft([self.train_examples[i] for i in next(self.batches)], self.pad_token_id, cfg.sft.loss_on)
+        batch.meta_info["step"] = step
+        with self.clock.timed("update"):
+            metrics = dict(self.actor_rollout.update_sft(batch, _timeout=cfg.trainer.timeouts.update).meta_info["metrics"])
+        metrics["sft/loss_tokens"] = float(batch.batch["response_mask"].sum())
+        metrics["sft/epoch"] = float(self.sampler.state_dict()["epoch"])
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """The generation validation, and val/loss on the validation replies."""
+        metrics = super().validate()
         if self.val_examples:
             start = time.perf_counter()
             metrics["val/loss"] = self.validation_loss()
@@ -97,29 +112,3 @@ class SFTTrainer(StageTrainer):
             nll += float(out.batch["nll_sum"].sum())
             tokens += float(out.batch["nll_tokens"].sum())
         return nll / max(tokens, 1.0)
-
-    def train(self, start_step: int) -> dict:
-        cfg = self.cfg
-        if start_step == 0 and cfg.trainer.val_before_train:
-            self.first_val = self.evaluation()
-            self.tracker.log(0, self.first_val)
-        for step in range(start_step + 1, cfg.trainer.total_steps + 1):
-            self.step, self.phase_times = step, {}
-            step_start = time.perf_counter()
-            indices = next(self.batches)
-            batch = collate_sft([self.train_examples[i] for i in indices], self.pad_token_id, cfg.sft.loss_on)
-            batch.meta_info["step"] = step
-            with self.timed("update"):
-                metrics = dict(self.actor_rollout.update_sft(batch, _timeout=cfg.trainer.timeouts.update).meta_info["metrics"])
-            metrics["sft/loss_tokens"] = float(batch.batch["response_mask"].sum())
-            metrics["sft/epoch"] = float(self.sampler.state_dict()["epoch"])
-            last = step == cfg.trainer.total_steps
-            if (cfg.sft.val_every and step % cfg.sft.val_every == 0 and not last) or (last and cfg.trainer.val_at_end):
-                metrics.update(self.evaluation())
-            metrics.update({f"timing/{k}": v for k, v in self.phase_times.items()})
-            metrics["timing/step"] = time.perf_counter() - step_start
-            self.tracker.log(step, metrics)
-            self.last_metrics = metrics
-            if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
-                self.save_checkpoint(step)
-        return self.finish()

@@ -1,7 +1,8 @@
-"""The driver steps that differ between algorithms (PPO, DAPO, ReMax, KL-in-reward).
+"""The driver steps that differ between algorithms (PPO's KL in the reward, DAPO's dynamic sampling).
 
-Each is a short function of the batch and the config, called from `RLTrainer`'s loop; the
-arithmetic lives in `rlframe.algos` (overlong_penalty, informative_groups, kl_penalized_rewards).
+Each is a short function of the batch and the config, called from the RL step (trainer/rl_trainer.py) or
+the rollout source; the arithmetic lives in `rlframe.algos` (informative_groups, kl_penalized_rewards).
+DAPO's overlong shaping is part of the scoring (trainer/scorer.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlframe.algos import build_kl_controller, informative_groups, overlong_penalty
+from rlframe.algos import build_kl_controller, informative_groups
 from rlframe.algos.kl import kl_penalized_rewards
 from rlframe.config import RLConfig
 from rlframe.protocol import DataProto
@@ -21,31 +22,6 @@ def make_kl_controller(cfg: RLConfig):
         return None
     ctrl = cfg.algorithm.kl_ctrl
     return build_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
-
-
-def overlong_penalties(response_mask: torch.Tensor, cfg: RLConfig) -> torch.Tensor | None:
-    """DAPO overlong shaping: penalty_factor * overlong_penalty(length) per response [B]; None when off."""
-    buffer = cfg.algorithm.overlong_buffer
-    if not buffer.enable:
-        return None
-    return buffer.penalty_factor * overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, buffer.len)
-
-
-def shape_overlong(batch: DataProto, cfg: RLConfig) -> dict[str, float]:
-    """Add the overlong penalty to each response's outcome score (on its last token, in place).
-
-    The unshaped score stays in `outcome_scores` [B], for dynamic sampling (keep_informative).
-    """
-    mask = batch.batch["response_mask"]
-    penalty = overlong_penalties(mask, cfg)
-    if penalty is None:
-        return {}
-    scores = batch.batch["token_level_scores"]
-    batch.batch["outcome_scores"] = scores.sum(-1)
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
-    scores[torch.arange(len(last)), last] += penalty * (mask.sum(-1) > 0)
-    return {"reward/overlong_penalty": float(penalty.mean()),
-            "reward/overlong_frac": float((penalty < 0).float().mean())}
 
 
 def token_level_rewards(batch: DataProto, kl_ctrl, kind: str = "k1") -> dict[str, float]:

@@ -34,7 +34,7 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.rng import sample_seed
-from rlframe.workers.rollout.base import build_rollout_batch
+from rlframe.protocol import build_rollout_batch
 
 
 @dataclass
@@ -169,7 +169,7 @@ class PartialRolloutPool:
 
     def take_batch(self, train_version: int, step: int) -> tuple[DataProto, dict[str, float]]:
         """Remove batch_size finished groups from the pool and lay them out as one rollout batch, the samples of a
-        group together: the layout of workers/rollout/base.py's build_rollout_batch (prompts left-padded, responses
+        group together: the layout of protocol.py's build_rollout_batch (prompts left-padded, responses
         right-padded to response_length) + token_policy_version [B, R] (-1 on padding) + per sample
         policy_version (its oldest token's version) and the prompt's non-tensor fields."""
         chosen = self.ready_groups()[: self.batch_size]

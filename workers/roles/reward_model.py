@@ -33,17 +33,8 @@ import torch
 
 from rlframe.controller import Dispatch, register
 from rlframe.device import detect_profile
-from rlframe.protocol import DataProto
+from rlframe.protocol import DataProto, render_for_scoring
 from rlframe.workers.settings import RewardModelSettings
-
-
-def _as_messages(prompt) -> list[dict]:
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    messages = [dict(m) for m in prompt]  # numpy object arrays, tuples, ... -> plain dicts
-    if not all("role" in m and "content" in m for m in messages):
-        raise ValueError("raw_prompt must be a string or a list of {'role', 'content'} messages")
-    return messages
 
 
 class RewardModelWorker:
@@ -71,14 +62,8 @@ class RewardModelWorker:
         self.model.to(self.profile.device).eval()
 
     def render(self, prompt, response: str) -> str:
-        """The text the RM scores: its chat template over (prompt, response), else the plain
-        concatenation."""
-        if getattr(self.tokenizer, "chat_template", None):
-            messages = _as_messages(prompt) + [{"role": "assistant", "content": response}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
-        if not isinstance(prompt, str):
-            prompt = "\n".join(m["content"] for m in _as_messages(prompt))
-        return prompt + response
+        """The text the RM scores (protocol.render_for_scoring: its chat template, else the concatenation)."""
+        return render_for_scoring(self.tokenizer, prompt, response)
 
     @torch.no_grad()
     def score_texts(self, texts: list[str]) -> torch.Tensor:

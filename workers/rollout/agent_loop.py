@@ -44,12 +44,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from rlframe.protocol import DataProto
+from rlframe.protocol import AGENT_END_REASONS, DataProto
 from rlframe.workers.rollout.tools import (Tool, ToolCall, ToolCallRun, ToolResult, call_with_deadline, get_parser,
                                           load_environment, load_tool, tool_prompt)
 
 logger = logging.getLogger(__name__)
-END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR = "answer", "turn_limit", "budget", "env_error"
+END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR = AGENT_END_REASONS
 
 
 @dataclass
@@ -530,52 +530,6 @@ def left_padded(sequences: list[list[int]], pad_id: int) -> DataProto:
         mask[i, width - len(s):] = 1
     return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
                                         "position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0)})
-
-
-def place_turn_rewards(token_scores: torch.Tensor, turn_rewards, positions, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-turn credit (rollout.multi_turn.turn_rewards=per_turn): each environment reward moves from the
-    last model token (where the outcome placement put their sum) to the last token of the turn it judged.
-    A row's total is unchanged, so outcome estimators (grpo, rloo, ...) see the same score; estimators
-    that discount along the sequence (gae, reinforce_plus_plus with gamma < 1) credit each turn."""
-    out = token_scores.clone()
-    last = (torch.arange(response_mask.size(-1)) * (response_mask > 0)).max(dim=-1).values
-    for i, (rewards, where) in enumerate(zip(turn_rewards, positions)):
-        if response_mask[i].sum() == 0:
-            continue
-        for reward, position in zip(rewards, where):
-            out[i, int(last[i])] -= float(reward)
-            out[i, int(position)] += float(reward)
-    return out
-
-
-def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:
-    """Per-step metrics from the loop's per-row fields: turns, tool calls and errors per trajectory,
-    the share ending by answer / turn limit / budget, context (tool) vs trained tokens per trajectory."""
-    if "agent_turns" not in non_tensors:
-        return {}
-    turns = np.asarray(non_tensors["agent_turns"], dtype=float)
-    calls = np.asarray(non_tensors["agent_tool_calls"], dtype=float)
-    errors = np.asarray(non_tensors["agent_tool_errors"], dtype=float)
-    ends = list(non_tensors["agent_end"])
-    width = response_mask.size(1)
-    response_tokens = attention_mask[:, -width:].float().sum(-1)
-    trained = response_mask.float().sum(-1)
-    metrics = {"agent/turns_mean": float(turns.mean()), "agent/tool_calls_mean": float(calls.mean()),
-               "agent/tool_call_rate": float((calls > 0).mean()),
-               "agent/tool_error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
-               "agent/trained_tokens_mean": float(trained.mean()),
-               "agent/context_tokens_mean": float((response_tokens - trained).mean())}
-    for by_tool in non_tensors.get("agent_calls_by_tool", []):
-        for name, count in by_tool.items():
-            metrics[f"agent/tool_calls/{name}"] = metrics.get(f"agent/tool_calls/{name}", 0.0) + count / len(turns)
-    if "agent_continuous" in non_tensors:  # 1: continuous batching (vLLM), 0: rounds (HF)
-        metrics["agent/continuous_batching"] = float(np.mean(np.asarray(non_tensors["agent_continuous"], dtype=float)))
-    if "agent_env_errors" in non_tensors:
-        metrics["agent/env_error_rate"] = float(np.mean([e > 0 for e in non_tensors["agent_env_errors"]]))
-        metrics["agent/env_reward_mean"] = float(np.mean(np.asarray(non_tensors["agent_env_reward"], dtype=float)))
-    for reason in (END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR):
-        metrics[f"agent/end_{reason}"] = float(np.mean([e == reason for e in ends]))
-    return metrics
 
 
 def agent_loop_for(engine, settings, eos_and_pad_ids) -> AgentLoop:

@@ -15,7 +15,7 @@ import torch
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.engine.hf_model import build_causal_lm
-from rlframe.workers.rollout.base import build_rollout_batch
+from rlframe.protocol import build_rollout_batch
 from rlframe.workers.settings import LoraSettings, SamplingSettings
 
 

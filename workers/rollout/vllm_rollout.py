@@ -30,7 +30,8 @@ import torch
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.host_pages import release_host_pages
-from rlframe.workers.rollout.base import build_rollout_batch, unpadded_prompts
+from rlframe.protocol import build_rollout_batch
+from rlframe.workers.rollout.base import unpadded_prompts
 from rlframe.workers.settings import LoraSettings, SamplingSettings
 
 logger = logging.getLogger(__name__)

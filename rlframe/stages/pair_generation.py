@@ -41,7 +41,7 @@ def select_pair(scores: list[float], min_gap: float) -> tuple[int, int] | None:
 
 def generate_pairs(trainer, dataset: RLDataset, out_file: Path) -> dict[str, float]:
     """Sample pairs with `trainer`'s rollout engine (a StageTrainer's actor_rollout) and score them with
-    its reward functions; write them to `out_file`. Returns the pair statistics."""
+    its scorer; write them to `out_file`. Returns the pair statistics."""
     cfg: RLConfig = trainer.cfg
     p = cfg.pairs
     start = time.perf_counter()
@@ -56,8 +56,8 @@ def generate_pairs(trainer, dataset: RLDataset, out_file: Path) -> dict[str, flo
         batch = batch.repeat(p.n, interleave=True)
         prompts.meta_info["step"] = first // p.batch_size  # seeds the sampling (rollout.temperature)
         batch = batch.union(trainer.actor_rollout.generate_sequences(prompts, _timeout=cfg.trainer.timeouts.rollout))
-        texts = trainer.decode_responses(batch)
-        _, scores, _ = trainer.rule_and_model_scores(batch, texts)
+        texts = trainer.scorer.decode(batch)
+        _, scores, _ = trainer.scorer.rule_and_model_scores(batch, texts)
         n_scored += len(scores)
         score_sum += float(np.sum(scores))
         for k, index in enumerate(indices):

@@ -1,0 +1,221 @@
+"""The run loop every stage shares (RL, SFT, DPO, RM): steps, restarts, validation, metrics, checkpoints, close.
+
+    start_step = restore(latest checkpoint)            # 0 for a fresh run
+    validate() before training                          # step 0 of metrics.jsonl
+    for step in start_step + 1 .. trainer.total_steps:
+        metrics = train_step(step)                      # the stage's own step
+        + timing/<phase>, timing/step (+ step_extras)   # trainer/phases.py
+        + validate() every val_every steps and at the end
+        log, timeline, checkpoint every trainer.save_every steps (and at the end)
+    finish: summary.json, the exported model (trainer.export_hf), the run report
+
+A dead or stuck worker restarts the workers and resumes from the latest complete checkpoint, up to
+trainer.max_restarts times. A stage subclasses `RunLoop`, builds its data and calls `plan_run` (resume +
+tracker) and `launch_workers`, and fills in the hooks below `# ---- the stage's part`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from rlframe.config import RLConfig, to_container
+from rlframe.trainer import checkpoint, fault
+from rlframe.trainer.phases import PhaseClock
+from rlframe.trainer.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+class RunLoop:
+    writes_report = False  # the HTML run report (rlframe/report.py) reads the RL metrics
+
+    def __init__(self, cfg: RLConfig, model_path: str, tokenizer, run_dir: Path):
+        self.cfg, self.model_path, self.tokenizer, self.run_dir = cfg, model_path, tokenizer, run_dir
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.clock = PhaseClock()
+        self.first_val: dict[str, float] = {}  # step 0's validation
+        self.last_metrics: dict[str, float] = {}
+        self.setup_metrics: dict[str, float] = {}  # logged with step 0 (e.g. pair generation's statistics)
+        self.scorer = None
+        self.tracker: Tracker | None = None
+        self.workers = None
+        self.resume_from: checkpoint.Checkpoint | None = None
+
+    @property
+    def step(self) -> int:
+        return self.clock.step
+
+    @property
+    def actor_rollout(self):
+        return self.workers.actor_rollout
+
+    @property
+    def ref(self):
+        return self.workers.ref
+
+    @property
+    def critic(self):
+        return self.workers.critic
+
+    # ------------------------------------------------------------------ set-up, called by the stages
+    def plan_run(self, total_steps: int) -> None:
+        """The run's length, where it resumes (trainer.resume; metrics logged after it are dropped) and its tracker."""
+        cfg = self.cfg
+        cfg.trainer.total_steps = total_steps
+        self.resume_from = checkpoint.resolve_resume(cfg.trainer.resume, self.run_dir)
+        if self.resume_from is not None:
+            checkpoint.trim_metrics_log(self.run_dir, self.resume_from.step)
+        self.tracker = Tracker(self.run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name,
+                               cfg.trainer.experiment_name, to_container(cfg), total_steps=total_steps)
+
+    def launch_workers(self) -> None:
+        with self.clock.timed("init_workers"):
+            self.workers = self.start_workers()
+        self.clock.workers = self.workers
+        self.workers_started()
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Train from `resume_from` (or step 0); a dead or stuck worker restarts up to max_restarts times."""
+        restarts = 0
+        while True:
+            try:
+                return self.run(start_step=self.restore(self.resume_from))
+            except fault.RESTARTABLE as error:
+                if restarts >= self.cfg.trainer.max_restarts:
+                    raise
+                restarts += 1
+                print(f"restart {restarts}/{self.cfg.trainer.max_restarts} after: {error.summary}", flush=True)
+                self.workers.shutdown()
+                self.launch_workers()
+                self.resume_from = checkpoint.find_latest_complete(self.run_dir)
+
+    def run(self, start_step: int) -> dict:
+        cfg = self.cfg
+        self.clock.step = start_step
+        self.begin(start_step)
+        if start_step == 0 and cfg.trainer.val_before_train and self.has_validation():
+            self.first_val = {**self.validate(), **self.setup_metrics}
+            self.tracker.log(0, self.first_val)
+        for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+            step_start = self.clock.start_step(step)
+            metrics = self.train_step(step)
+            metrics.update(self.clock.step_metrics(step_start))
+            metrics.update(self.step_extras(metrics))
+            if self.validation_due(step):
+                metrics.update(self.validate())
+            self.tracker.log(step, metrics)
+            self.clock.write_timeline(self.run_dir, step, step_start)
+            self.last_metrics = metrics
+            if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
+                self.save_checkpoint(step)
+        self.end()
+        return self.finish()
+
+    def validation_due(self, step: int) -> bool:
+        """Every `val_every` steps but the last, and at the last with trainer.val_at_end."""
+        last = step == self.cfg.trainer.total_steps
+        if last:
+            return self.cfg.trainer.val_at_end and self.has_validation()
+        return bool(self.val_every) and step % self.val_every == 0
+
+    def save_checkpoint(self, step: int) -> None:
+        state = {**self.driver_state(), "val_before": self.first_val, "last_metrics": self.last_metrics}
+        t = self.cfg.trainer
+        checkpoint.save_checkpoint(self.workers, self.run_dir, step, state,
+                                   OmegaConf.to_yaml(OmegaConf.structured(self.cfg)), keep=t.max_checkpoints_to_keep,
+                                   timeout_s=t.timeouts.update)
+
+    def restore(self, ckpt: checkpoint.Checkpoint | None) -> int:
+        """Load `ckpt` into the workers and the driver; returns the step to continue after (0: fresh)."""
+        self.before_restore(ckpt)
+        if ckpt is None:
+            return 0
+        state = checkpoint.restore_checkpoint(self.workers, ckpt, timeout_s=self.cfg.trainer.timeouts.init)
+        self.first_val, self.last_metrics = state["val_before"], state["last_metrics"]
+        self.load_driver_state(state)
+        return int(state["step"])
+
+    def finish(self) -> dict:
+        """summary.json (validation before/after, the exported model), and the run report."""
+        summary = {"run_dir": str(self.run_dir), "val_before": self.first_val, "val_after": {
+            k: v for k, v in self.last_metrics.items() if k.startswith("val/")}}
+        if self.cfg.trainer.export_hf:
+            export_dir = self.run_dir / "hf_model"
+            self.export_model(export_dir)
+            summary["hf_model"] = str(export_dir)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.writes_report:
+            try:  # a failure here must not fail the run
+                from rlframe.report import write_report
+
+                print(f"report: {write_report(self.run_dir)}", flush=True)
+            except Exception as error:
+                logger.warning("could not write the run report: %s: %s", type(error).__name__, error)
+        return summary
+
+    def write_samples(self, kind: str, samples: list[dict]) -> None:
+        """<run_dir>/<kind>_samples.jsonl and the tracker: rows {response, ground_truth, score} of this step."""
+        rows = [{"step": self.step, **sample} for sample in samples]
+        with open(self.run_dir / f"{kind}_samples.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        self.tracker.log_samples(self.step, kind, rows)
+
+    def close(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+        if self.tracker is not None:
+            self.tracker.close()
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    # ------------------------------------------------------------------ the stage's part
+    def start_workers(self):
+        """Start the stage's worker groups; returns what launch.start_workers returns (`Workers`)."""
+        raise NotImplementedError
+
+    def workers_started(self) -> None:
+        """After every (re)start of the workers."""
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step of training; its metrics."""
+        raise NotImplementedError
+
+    def validate(self) -> dict[str, float]:
+        return {}
+
+    def has_validation(self) -> bool:
+        return True
+
+    @property
+    def val_every(self) -> int:
+        return self.cfg.trainer.val_every
+
+    def step_extras(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics computed from a finished step's timing (throughput); none by default."""
+        return {}
+
+    def driver_state(self) -> dict:
+        """What the driver saves in a checkpoint besides validation and the last metrics."""
+        return {}
+
+    def load_driver_state(self, state: dict) -> None:
+        """Restore `driver_state` from a checkpoint's state."""
+
+    def before_restore(self, ckpt: checkpoint.Checkpoint | None) -> None:
+        """Before the workers load `ckpt` (None: a fresh start)."""
+
+    def begin(self, start_step: int) -> None:
+        """Before the first step of this attempt."""
+
+    def end(self) -> None:
+        """After the last step, before the summary."""
+
+    def export_model(self, out: Path) -> None:
+        """trainer.export_hf: the trained model as an HF folder."""
+        self.actor_rollout.save_hf(str(out))
