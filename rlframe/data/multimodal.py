@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -181,14 +180,6 @@ class VisionProcessor:
         inputs = self.pixel_inputs(images)
         text = self.expand(raw_prompt, inputs["image_grid_thw"])
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], inputs
-
-
-def has_images(rows: list[dict], image_key: str) -> bool:
-    return any(image_list(row, image_key) for row in rows)
-
-
-def strip_image_placeholders(text: str) -> str:
-    return re.sub(re.escape(IMAGE_PLACEHOLDER), "", text)
 
 
 def share_multi_modal_fields(prompts, batch) -> None:

@@ -284,12 +284,6 @@ class ToolCallRun:
             return ToolResult(f"Error: the tool '{self.call.name}' timed out after {self.timeout_s:g} s", error="timeout")
         return self._outcome
 
-    def remaining_s(self) -> float:
-        import time
-
-        return max(0.0, self._deadline - time.monotonic())
-
-
 # ---------------------------------------------------------------------------- environments
 
 
