@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlframe.stages.config import STAGES, DPOConfig, PairGenerationConfig, RewardTrainingConfig, SFTConfig
+from rlframe.workers.engine.deepspeed.settings import DeepSpeedSettings
+from rlframe.workers.engine.megatron.settings import MegatronSettings
+from rlframe.workers.engine.registry import ENGINES, check_engine_model, check_engines
 
 
 @dataclass
@@ -166,7 +169,7 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"  # the trainer engine (workers/engine/): fsdp (FSDP2) | deepspeed (ZeRO) | megatron; ref and critic too
+    strategy: str = "fsdp"  # the training engine (workers/engine/registry.py): fsdp (FSDP2) | deepspeed (ZeRO) | megatron; ref and critic too
     world_size: int = 1  # data-parallel ranks of the actor (and colocated rollout / ref)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 8  # prompts per optimiser step (x rollout.n sequences)
@@ -445,63 +448,6 @@ class TrainerConfig:
     max_staleness: int = 1
 
 
-# OpenRLHF's DeepSpeed flags that rlframe does not implement: key -> what it is (set, it is an error).
-UNHONOURED_DEEPSPEED_KEYS = {
-    "zpg": (1, "ZeRO++ hierarchical partitioning"),
-    "ds_tensor_parallel_size": (1, "DeepSpeed AutoTP tensor parallelism"),
-    "deepspeed_enable_sleep": (False, "DeepSpeed's sleep (offload_states between phases)"),
-    "enable_ema": (False, "an EMA copy of the actor"),
-    "use_ds_universal_ckpt": (False, "DeepSpeed universal checkpoints (rlframe writes its own full-weight layout)"),
-    "deepcompile": (False, "DeepCompile"),
-}
-
-
-@dataclass
-class MegatronConfig:
-    """actor.strategy=megatron (workers/engine/megatron.py): Megatron-core GPT (local layer spec, SDPA
-    attention) for the actor, the reference policy and the critic. actor.world_size = TP x PP x CP x data-parallel size."""
-
-    tensor_model_parallel_size: int = 1  # must divide the attention heads and key/value heads
-    pipeline_model_parallel_size: int = 1  # must divide the layers (1F1B schedule over micro-batches)
-    context_parallel_size: int = 1  # CP: each sequence split into 2 x CP chunks (load-balanced), key/value all-gathered
-    sequence_parallel: bool = False  # Megatron's sequence parallelism (needs TP > 1): norms / residuals split along the sequence
-    expert_model_parallel_size: int = 1  # EP (Qwen2-MoE / Mixtral): must divide the experts and the data-parallel x CP ranks
-
-
-@dataclass
-class DeepSpeedConfig:
-    """actor.strategy=deepspeed (workers/engine/deepspeed.py): DeepSpeed ZeRO for the actor, the reference
-    policy and the critic. Keys are named as OpenRLHF's flags, so its users' settings carry over; the
-    flags every rlframe engine has live with them: --bf16 is model.dtype, --gradient_checkpointing
-    model.gradient_checkpointing, --max_norm actor.optim.grad_clip, --packing_samples
-    actor.use_remove_padding, --micro_train_batch_size actor.ppo_micro_batch_size_per_device."""
-
-    zero_stage: int = 2  # 2: optimizer state + gradients sharded over the ranks | 3: parameters too
-    adam_offload: bool = False  # ZeRO-Offload: optimizer state and step on the CPU (DeepSpeedCPUAdam)
-    offload: bool = False  # ZeRO-Infinity: the parameters on the CPU (needs zero_stage=3)
-    ref_reward_offload: bool = False  # the reference policy's parameters on the CPU (ZeRO-3 inference)
-    overlap_comm: bool = False  # overlap the gradient reduction with the backward pass
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = 500_000_000  # elements per gradient reduction
-    allgather_bucket_size: int = 500_000_000  # ZeRO-2: elements per all-gather of the updated parameters
-    stage3_prefetch_bucket_size: int = 50_000_000  # ZeRO-3: elements fetched ahead of use
-    stage3_param_persistence_threshold: int = 100_000  # ZeRO-3: smaller parameters stay whole on every rank
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    sub_group_size: int = 1_000_000_000  # ZeRO-3: elements per optimizer sub-group
-    grad_accum_dtype: Optional[str] = None  # fp32 | bf16; null: DeepSpeed's default
-    # rlframe's own: ZeRO-3 parameter elements gathered at once to stream the full weights (weight sync,
-    # export, checkpoints); never the whole model on one rank. A larger single tensor is gathered alone.
-    gather_bucket_size: int = 64 * 2**20
-    # OpenRLHF flags rlframe does not implement (UNHONOURED_DEEPSPEED_KEYS): an error unless left as they are.
-    zpg: int = 1
-    ds_tensor_parallel_size: int = 1
-    deepspeed_enable_sleep: bool = False
-    enable_ema: bool = False
-    use_ds_universal_ckpt: bool = False
-    deepcompile: bool = False
-
-
 @dataclass
 class RLConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -513,8 +459,9 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # actor.strategy=deepspeed
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor.strategy=megatron
+    # The engines' own sections: each engine package's settings class, handed to its engine as is.
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)  # actor.strategy=deepspeed
+    megatron: MegatronSettings = field(default_factory=MegatronSettings)  # actor.strategy=megatron
     # The stage a recipe runs (rlframe/stages/): rl (this loop) | sft | dpo | rm; their sections below.
     stage: str = "rl"
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -597,10 +544,8 @@ def validate_config(cfg: RLConfig) -> None:
     need(cfg.algorithm.adv_estimator not in GROUP_ESTIMATORS or rollout.n >= 2, "rollout.n",
          f"{cfg.algorithm.adv_estimator} compares samples of one prompt (with one, every advantage is 0): "
          "set rollout.n >= 2")
-    from rlframe.workers.engine import ENGINES
-
     need(actor.strategy in ENGINES, "actor.strategy",
-         f"'{actor.strategy}' is not a trainer engine here ({', '.join(ENGINES)}). Fix: actor.strategy=fsdp")
+         f"'{actor.strategy}' is not a training engine here ({', '.join(ENGINES)}). Fix: actor.strategy=fsdp")
     need(actor.world_size >= 1, "actor.world_size", "must be >= 1")
     need(data.train_batch_size >= 1, "data.train_batch_size", "must be >= 1")
     need(actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", "must be >= 1")
@@ -667,8 +612,7 @@ def validate_config(cfg: RLConfig) -> None:
     _validate_placement(cfg, need)
     _validate_async(cfg, need)
     _validate_partial(cfg, need)
-    _validate_deepspeed(cfg, need)
-    _validate_megatron(cfg, need)
+    check_engines(cfg, need, _local_model_dir(cfg.model.path))  # each engine's CHECKS (workers/engine/registry.py)
     _validate_context_length(cfg, need)
     _validate_lora(cfg, need)
     _validate_stage(cfg, need)
@@ -831,79 +775,9 @@ def validate_model_lora(cfg: RLConfig, model_dir: str) -> None:
             problems.append(f"{key}: {message}")
 
     _validate_lora(cfg, need, model_dir)
-    _validate_megatron(cfg, need, model_dir)
+    check_engine_model(cfg, need, _local_model_dir(model_dir))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-
-
-def _validate_megatron(cfg: RLConfig, need, model_dir: str | None = None) -> None:
-    """actor.strategy=megatron: the package, the parallel sizes against the world size and against the
-    model (architecture, heads, layers; when its config is on disk: `model_dir`, a folder, or a
-    provisioned embedded model), and what the engine does not run (Ulysses; sequence parallelism without TP).
-    (Sequence lengths need no check: the engine pads to a multiple of TP (sequence parallel) x 2 CP.)"""
-    if cfg.actor.strategy != "megatron":  # (the section is ignored, so a recipe can be compared with fsdp)
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        need(False, "actor.strategy", "megatron-core is not installed. Fix: make install (or pip install -e "
-             "'.[megatron]'), or actor.strategy=fsdp")
-        return
-    mg, world = cfg.megatron, cfg.actor.world_size
-    sizes = {"tensor_model_parallel_size": mg.tensor_model_parallel_size,
-             "pipeline_model_parallel_size": mg.pipeline_model_parallel_size,
-             "context_parallel_size": mg.context_parallel_size,
-             "expert_model_parallel_size": mg.expert_model_parallel_size}
-    for key, size in sizes.items():
-        need(isinstance(size, int) and size >= 1, f"megatron.{key}", f"{size!r}: must be an integer >= 1")
-    if not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
-        return
-    tp, pp, cp, ep = sizes.values()
-    need(world % (tp * pp * cp) == 0, "actor.world_size",
-         f"{world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp} (the rest is data "
-         f"parallelism). Fix: actor.world_size={tp * pp * cp} (or a multiple), or smaller megatron.* sizes")
-    need(not mg.sequence_parallel or tp > 1, "megatron.sequence_parallel",
-         "needs megatron.tensor_model_parallel_size > 1 (it splits along the sequence what TP replicates). "
-         "Fix: megatron.sequence_parallel=false, or TP > 1")
-    need(world % (tp * pp * ep) == 0, "megatron.expert_model_parallel_size",
-         f"{ep}: the experts are split over EP ranks taken from the data-parallel ranks, so actor.world_size={world} "
-         f"must be divisible by TP x PP x EP = {tp * pp * ep}. Fix: a divisor of {world // (tp * pp)}")
-    need(ep == 1 or cp == 1, "megatron.expert_model_parallel_size",
-         f"{ep} with context_parallel_size={cp}: expert parallelism under context parallelism is not run here. "
-         "Fix: one of them 1")
-    need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
-         "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
-    folder = _local_model_dir(model_dir or cfg.model.path)
-    if folder is not None:
-        from transformers import AutoConfig
-
-        from rlframe.workers.engine.megatron_convert import architecture_problem
-
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
-        problem = architecture_problem(config)
-        need(problem is None, "model.path", str(problem))
-        heads = getattr(config, "num_attention_heads", 0)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        layers = getattr(config, "num_hidden_layers", 0)
-        need(heads % tp == 0 and kv_heads % tp == 0, "megatron.tensor_model_parallel_size",
-             f"{tp} does not divide the model's {heads} attention heads and {kv_heads} key/value heads. "
-             "Fix: a common divisor of both")
-        need(layers % pp == 0, "megatron.pipeline_model_parallel_size",
-             f"{pp} does not divide the model's {layers} layers. Fix: a divisor of {layers}")
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-        need(ep == 1 or (experts and experts % ep == 0), "megatron.expert_model_parallel_size",
-             f"{ep} does not divide the model's {experts} routed experts" + (" (a dense model)" if not experts else "")
-             + ". Fix: " + (f"a divisor of {experts}" if experts else "1"))
-        need(not experts or tp == 1 or mg.sequence_parallel, "megatron.sequence_parallel",
-             f"false with an MoE model at TP={tp}: megatron-core 0.16 refuses MoE x TP without sequence "
-             "parallelism in training. Fix: megatron.sequence_parallel=true")
-        hf_rollout = cfg.rollout.engine == "hf" or (cfg.rollout.engine == "auto"
-                                                    and importlib.util.find_spec("vllm") is None)
-        need(not experts or not hf_rollout, "rollout.engine",
-             f"{cfg.rollout.engine} (the HF engine) with an MoE model on the megatron engine: its weight sync streams "
-             "the checkpoint's per-expert names (experts.N.gate_proj, what vLLM loads), while transformers holds "
-             "fused expert tensors (experts.gate_up_proj), so the experts would not sync. Fix: rollout.engine=vllm, "
-             "or actor.strategy=fsdp")
 
 
 def _validate_context_length(cfg: RLConfig, need) -> None:
@@ -1125,48 +999,6 @@ def _validate_partial(cfg: RLConfig, need) -> None:
          f"{partial.max_token_staleness} allows) < data.max_response_length={length}: a full-length response would be "
          f"restarted forever. Fix: rollout.partial.max_tokens_per_round={-(-length // steps)} or more (0 picks it), or "
          "raise rollout.partial.max_token_staleness")
-
-
-def _validate_deepspeed(cfg: RLConfig, need) -> None:
-    """The deepspeed section: OpenRLHF flags we do not implement, the ZeRO stage, offload and its C++ extension."""
-    ds = cfg.deepspeed
-    for key, (off, what) in UNHONOURED_DEEPSPEED_KEYS.items():
-        need(getattr(ds, key) == off, f"deepspeed.{key}",
-             f"{what} is not implemented by rlframe's DeepSpeed engine. Fix: remove deepspeed.{key} (or set it to {off})")
-    if cfg.actor.strategy != "deepspeed":  # (the section is ignored, so a recipe can be compared with fsdp)
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        need(False, "actor.strategy", "deepspeed is not installed. Fix: make install (or pip install -e '.[deepspeed]' "
-             "next to your torch), or actor.strategy=fsdp")
-        return
-    from rlframe.workers.engine.deepspeed import SUPPORTED_ZERO_STAGES, extension_problem
-
-    need(ds.zero_stage in SUPPORTED_ZERO_STAGES, "deepspeed.zero_stage",
-         f"{ds.zero_stage} is not supported (stages {', '.join(map(str, SUPPORTED_ZERO_STAGES))}: 2 shards optimizer "
-         "state and gradients, 3 parameters too). Fix: deepspeed.zero_stage=2 or 3")
-    need(not (ds.offload or cfg.actor.offload_params) or ds.zero_stage == 3, "deepspeed.offload",
-         "parameter offload needs partitioned parameters, i.e. ZeRO stage 3. Fix: deepspeed.zero_stage=3, or "
-         "deepspeed.offload=false (and actor.offload_params=false)")
-    need(cfg.actor.ulysses_sequence_parallel_size == 1, "actor.ulysses_sequence_parallel_size",
-         "Ulysses sequence parallelism runs on the fsdp engine only. Fix: 1, or actor.strategy=fsdp")
-    need(cfg.model.dtype != "float16", "model.dtype",
-         "float16 needs loss scaling, which the deepspeed engine does not use. Fix: model.dtype=bfloat16 (or auto)")
-    need(ds.grad_accum_dtype in (None, "fp32", "bf16"), "deepspeed.grad_accum_dtype",
-         f"'{ds.grad_accum_dtype}' is not fp32, bf16 or null")
-    need(not (cfg.trainer.placement == "disaggregated" and ds.zero_stage == 3), "deepspeed.zero_stage",
-         "the disaggregated weight broadcast plans its buckets from the module's parameter shapes, which ZeRO-3 "
-         "partitions. Fix: deepspeed.zero_stage=2, or trainer.placement=colocated")
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size",
-                "gather_bucket_size"):
-        need(getattr(ds, key) > 0, f"deepspeed.{key}", "must be > 0 (elements)")
-    if ds.adam_offload or cfg.actor.offload_optimizer:
-        problem = extension_problem()
-        need(problem is None, "deepspeed.adam_offload",
-             f"optimizer offload steps with DeepSpeedCPUAdam, whose C++ extension (cpu_adam) cannot load here: "
-             f"{problem}. Fix: install ninja and a C++ compiler (make install then builds it once), or "
-             "deepspeed.adam_offload=false and actor.offload_optimizer=false")
 
 
 def _is_number(value: Any) -> bool:

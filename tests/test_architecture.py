@@ -118,7 +118,7 @@ def test_wheel_carries_packages_recipes_and_reward_functions(tmp_path):
                     str(source)], check=True, capture_output=True, timeout=600)
     wheel = next(tmp_path.glob("rlframe-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for package in ("rlframe/workers/engine/fsdp.py", "rlframe/workers/roles/actor_rollout.py",
+    for package in ("rlframe/workers/engine/fsdp/engine.py", "rlframe/workers/roles/actor_rollout.py",
                     "rlframe/workers/rollout/factory.py", "rlframe/controller/placement.py",
                     "rlframe/recipes/grpo_math.yaml", "rlframe/reward_fns/math.py", "rlframe/tools/calculator.py"):
         assert package in names, package

@@ -1,4 +1,4 @@
-"""The DeepSpeed ZeRO engine (`actor.strategy=deepspeed`, workers/engine/deepspeed.py) on CPU over gloo.
+"""The DeepSpeed ZeRO engine (`actor.strategy=deepspeed`, workers/engine/deepspeed/) on CPU over gloo.
 
 - the config section: translation into DeepSpeed's config, unknown and unhonoured keys rejected by name;
 - one update at ZeRO-2 and ZeRO-3 equals the FSDP engine's (log-probs, losses, grad norm, weights)
@@ -22,8 +22,8 @@ import torch
 
 from rlframe.config import ConfigError, RLConfig, validate_config
 from rlframe.device import DeviceProfile
-from rlframe.workers.engine.deepspeed import deepspeed_config
-from rlframe.workers.settings import DeepSpeedSettings
+from rlframe.workers.engine.deepspeed.engine import deepspeed_config
+from rlframe.workers.engine.deepspeed.settings import DeepSpeedSettings
 from test_actor_data_parallel import assert_same_update, synthetic_batch
 
 pytest.importorskip("deepspeed")
@@ -69,8 +69,8 @@ def test_openrlhf_keys_reach_the_engine_settings(tiny_model_dir):
                           "deepspeed.adam_offload=true", "deepspeed.offload=true", "deepspeed.ref_reward_offload=true",
                           "deepspeed.reduce_bucket_size=1234"])
     actor = actor_settings(cfg, str(tiny_model_dir)).engine
-    assert actor.strategy == "deepspeed" and actor.deepspeed.zero_stage == 3
-    assert actor.deepspeed.reduce_bucket_size == 1234
+    assert actor.strategy == "deepspeed" and actor.section.zero_stage == 3
+    assert actor.section.reduce_bucket_size == 1234
     assert actor.offload_optimizer and actor.offload_params
     ref = ref_settings(cfg, str(tiny_model_dir)).engine
     assert ref.strategy == "deepspeed" and ref.offload_params and not ref.offload_optimizer
@@ -122,7 +122,7 @@ def test_optimizer_offload_without_its_extension_is_a_config_error(tiny_model_di
 
 
 def test_gather_buckets_bound_the_elements_gathered_at_once():
-    from rlframe.workers.engine.deepspeed import _buckets
+    from rlframe.workers.engine.deepspeed.engine import _buckets
 
     entries = [(name, torch.empty(n)) for name, n in [("a", 30), ("b", 50), ("c", 100), ("d", 10), ("e", 10)]]
     assert [[n for n, _ in b] for b in _buckets(entries, 80)] == [["a", "b"], ["c"], ["d", "e"]]
@@ -131,7 +131,7 @@ def test_gather_buckets_bound_the_elements_gathered_at_once():
 
 # ------------------------------------------------------------------------------------ CPU Adam
 def test_cpu_adam_steps_like_torch_adamw():
-    from rlframe.workers.engine.deepspeed import CPU_ADAM_OP, build_ops
+    from rlframe.workers.engine.deepspeed.ops import CPU_ADAM_OP, build_ops
 
     build_ops([CPU_ADAM_OP])  # (compiled once per machine, under a file lock)
     from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -1,4 +1,4 @@
-"""The Megatron-core engine (`actor.strategy=megatron`, workers/engine/megatron.py) on CPU over gloo.
+"""The Megatron-core engine (`actor.strategy=megatron`, workers/engine/megatron/) on CPU over gloo.
 
 - conversion HF <-> Megatron GPT (fused QKV, gate/up, TP shards): hand-built layouts, exact round trips
   (Llama with grouped-query attention, Qwen2 with QKV biases, padded vocabulary), unsupported models named;
@@ -28,7 +28,7 @@ from test_actor_data_parallel import synthetic_batch
 
 pytest.importorskip("megatron.core")
 
-from rlframe.workers.engine.megatron_convert import (GPTArch, architecture_problem, hf_state_from_shards,  # noqa: E402
+from rlframe.workers.engine.megatron.convert import (GPTArch, architecture_problem, hf_state_from_shards,  # noqa: E402
                                                      hf_to_megatron, megatron_to_hf)
 
 

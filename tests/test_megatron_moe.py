@@ -45,7 +45,7 @@ def saved_state(config, folder):
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
 def test_moe_round_trip_is_exact(kind, tmp_path):
-    from rlframe.workers.engine.megatron_convert import GPTArch, hf_state_from_shards, hf_to_megatron
+    from rlframe.workers.engine.megatron.convert import GPTArch, hf_state_from_shards, hf_to_megatron
 
     config = moe_config(kind)
     _, hf = saved_state(config, tmp_path)
@@ -66,8 +66,8 @@ def test_moe_round_trip_is_exact(kind, tmp_path):
 @pytest.mark.parametrize("kind,norm_topk_prob", [("qwen2_moe", False), ("qwen2_moe", True), ("mixtral", False)])
 def test_moe_logits_equal_transformers(kind, norm_topk_prob, tmp_path):
     from rlframe.device import detect_profile
-    from rlframe.workers.engine import megatron as mg
-    from rlframe.workers.engine.megatron_convert import GPTArch, hf_to_megatron
+    from rlframe.workers.engine.megatron import engine as mg
+    from rlframe.workers.engine.megatron.convert import GPTArch, hf_to_megatron
 
     config = moe_config(kind, norm_topk_prob)
     hf_model, state = saved_state(config, tmp_path)

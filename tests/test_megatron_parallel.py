@@ -30,11 +30,11 @@ from test_megatron import fsdp_critic_reference, fsdp_reference  # noqa: E402,F4
 
 
 def test_cp_chunk_layout():
-    from rlframe.workers.engine.megatron import cp_positions
+    from rlframe.workers.engine.megatron.engine import cp_positions
 
     assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert sorted(torch.cat([cp_positions(12, 3, r) for r in range(3)]).tolist()) == list(range(12))
-    from rlframe.workers.engine.megatron import attention_mask_for
+    from rlframe.workers.engine.megatron.engine import attention_mask_for
 
     mask = torch.ones(3, 12, dtype=torch.long)
     mask[0, :3] = 0  # left padding

@@ -1,4 +1,4 @@
-"""The losses the roles hand to `TrainerEngine.train_step`: one micro-batch's outputs -> LossOutput.
+"""The losses the roles hand to `TrainingEngine.train_step`: one micro-batch's outputs -> LossOutput.
 
 All arithmetic lives in `rlframe.algos`; these only pick the batch fields and name the metrics.
 """

@@ -8,6 +8,7 @@ dataclass holds exactly what one piece of worker code reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlframe.device import DeviceProfile, detect_profile
 
@@ -59,43 +60,11 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
-class DeepSpeedSettings:
-    """The DeepSpeed ZeRO engine's own knobs (`workers/engine/deepspeed.py`; config section `deepspeed`).
-
-    Offload is EngineSettings.offload_params / offload_optimizer, as for every engine. Sizes are in
-    elements, as DeepSpeed counts them."""
-
-    zero_stage: int = 2  # 2: optimizer state + gradients sharded; 3: parameters too
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000  # ZeRO-2
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    sub_group_size: int = 1_000_000_000
-    grad_accum_dtype: str | None = None  # None: DeepSpeed's default for the dtype
-    gather_bucket_size: int = 64 * 2**20  # ZeRO-3: parameter elements gathered at once (weight sync, checkpoints)
-
-
-@dataclass(frozen=True)
-class MegatronSettings:
-    """The Megatron-core engine's parallel sizes (`workers/engine/megatron.py`; config section `megatron`)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1  # (validated: divides the layers; 1F1B schedule over micro-batches)
-    context_parallel_size: int = 1  # (validated; our SDPA core attention exchanges key/value blocks over CP ranks)
-    sequence_parallel: bool = False  # Megatron's sequence parallelism (TP > 1): activations split along the sequence
-    expert_model_parallel_size: int = 1  # EP (MoE models): the routed experts split over data-parallel ranks
-
-
-@dataclass(frozen=True)
 class EngineSettings:
-    """How a trainer engine builds and shards its model (`workers/engine/`)."""
+    """How a training engine builds and shards its model (`workers/engine/`)."""
 
     model_path: str
-    strategy: str = "fsdp"  # the engine implementation (workers/engine/__init__.py: ENGINES)
+    strategy: str = "fsdp"  # the engine implementation (workers/engine/registry.py: ENGINES)
     head: str = "causal_lm"  # causal_lm (log-probs) | value (a scalar per position, PPO's critic)
     device: DeviceRequest = field(default_factory=DeviceRequest)
     gradient_checkpointing: bool = False
@@ -105,8 +74,9 @@ class EngineSettings:
     offload_params: bool = False  # fsdp: GPU only; deepspeed: ZeRO-3 parameters on CPU
     offload_optimizer: bool = False  # fsdp: GPU only; deepspeed: ZeRO-Offload (state + step on CPU, CPU Adam)
     optim: OptimSettings | None = None  # None: a frozen model (the reference policy)
-    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)  # strategy=deepspeed only
-    megatron: MegatronSettings = field(default_factory=MegatronSettings)  # strategy=megatron only
+    # The engine's own config section, as the config holds it (workers/engine/registry.py: ENGINES[strategy].settings,
+    # e.g. DeepSpeedSettings, MegatronSettings); None for an engine without one (fsdp).
+    section: Any = None
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: off (full fine-tuning)
     checkpoint_format: str = "full"  # full (gathered, HF safetensors) | sharded (torch.distributed.checkpoint)
     freeze_vision_tower: bool = False  # vision-language models: the vision tower gets no gradient

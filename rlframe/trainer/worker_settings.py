@@ -2,17 +2,18 @@
 
 Small pure functions: config in, a frozen dataclass of `rlframe/workers/settings.py` out. This is
 the only place that knows which config key feeds which worker setting; the workers never see
-the config itself.
+the config itself, except an engine's own section (`cfg.deepspeed`, `cfg.megatron`: the engine
+package's settings class), which reaches it as is. Every training engine's settings come from
+`engine_settings(cfg, role, model_path)`.
 """
 
 from __future__ import annotations
 
 from rlframe.config import OptimConfig, RLConfig, off_policy_correction, policy_loss_options
-from rlframe.workers.settings import (ActorSettings, CriticSettings, DeepSpeedSettings, DeviceRequest, EngineSettings,
-                                     ForwardSettings, LoraSettings, MegatronSettings, OptimSettings, PolicyLossSettings,
-                                     RefSettings,
-                                     RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop,
-                                     MultiTurnSettings)
+from rlframe.workers.engine.registry import engine_section
+from rlframe.workers.settings import (ActorSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
+                                     LoraSettings, MultiTurnSettings, OptimSettings, PolicyLossSettings, RefSettings,
+                                     RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop)
 
 
 def device_request(cfg: RLConfig) -> DeviceRequest:
@@ -44,56 +45,59 @@ def reference_is_actor(cfg: RLConfig) -> bool:
     return uses_reference_policy(cfg) and cfg.model.lora.rank > 0
 
 
-def deepspeed_settings(cfg: RLConfig) -> DeepSpeedSettings:
-    """The deepspeed section's engine knobs (its offload flags feed engine_offload)."""
-    ds = cfg.deepspeed
-    return DeepSpeedSettings(
-        zero_stage=ds.zero_stage, overlap_comm=ds.overlap_comm, contiguous_gradients=ds.contiguous_gradients,
-        reduce_bucket_size=ds.reduce_bucket_size, allgather_bucket_size=ds.allgather_bucket_size,
-        stage3_prefetch_bucket_size=ds.stage3_prefetch_bucket_size,
-        stage3_param_persistence_threshold=ds.stage3_param_persistence_threshold,
-        stage3_max_live_parameters=ds.stage3_max_live_parameters,
-        stage3_max_reuse_distance=ds.stage3_max_reuse_distance, sub_group_size=ds.sub_group_size,
-        grad_accum_dtype=ds.grad_accum_dtype, gather_bucket_size=ds.gather_bucket_size)
-
-
-def megatron_settings(cfg: RLConfig) -> MegatronSettings:
-    mg = cfg.megatron
-    return MegatronSettings(tensor_model_parallel_size=mg.tensor_model_parallel_size,
-                            pipeline_model_parallel_size=mg.pipeline_model_parallel_size,
-                            context_parallel_size=mg.context_parallel_size, sequence_parallel=mg.sequence_parallel,
-                            expert_model_parallel_size=mg.expert_model_parallel_size)
+ENGINE_ROLES = ("actor", "ref", "critic", "reward")
 
 
 def engine_offload(cfg: RLConfig, role: str) -> dict[str, bool]:
-    """offload_params / offload_optimizer of the actor, ref or critic engine.
+    """offload_params / offload_optimizer of the engine of `role` (one of ENGINE_ROLES).
 
-    The actor: actor.offload_*; under actor.strategy=deepspeed also OpenRLHF's deepspeed.offload /
-    adam_offload, which apply to the critic too. The frozen reference: deepspeed.ref_reward_offload."""
+    The trained policy (actor) and stage=rm's reward model (reward, trained with the actor's keys):
+    actor.offload_*; under actor.strategy=deepspeed also OpenRLHF's deepspeed.offload / adam_offload,
+    which apply to the critic too. The frozen reference: deepspeed.ref_reward_offload."""
     ds, actor = cfg.deepspeed, cfg.actor
     deepspeed = actor.strategy == "deepspeed"
     if role == "ref":
         return {"offload_params": deepspeed and ds.ref_reward_offload, "offload_optimizer": False}
     params, optimizer = deepspeed and ds.offload, deepspeed and ds.adam_offload
-    if role == "actor":
+    if role in ("actor", "reward"):
         params, optimizer = params or actor.offload_params, optimizer or actor.offload_optimizer
     return {"offload_params": params, "offload_optimizer": optimizer}
 
 
-def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> EngineSettings:
-    """The actor's engine (train=True, with its LoRA adapters if any) or the reference policy's
-    (frozen, no offload)."""
-    actor = cfg.actor
+def engine_optim(cfg: RLConfig, role: str) -> OptimSettings | None:
+    """The optimizer of the engine of `role`; None for the frozen reference policy."""
+    if role == "ref":
+        return None
+    if role == "critic":
+        return optim_settings(cfg.critic.optim, cfg, head_lr=cfg.critic.head_lr)
+    return optim_settings(cfg.actor.optim, cfg, head_lr=cfg.rm.head_lr if role == "reward" else None)
+
+
+def engine_settings(cfg: RLConfig, role: str, model_path: str) -> EngineSettings:
+    """The training engine of `role`, every key that reaches an engine in one place.
+
+    actor: the trained policy (its LoRA adapters if any, the vision tower frozen if asked); ref: the frozen
+    reference policy; critic: PPO's value model (critic.optim); reward: stage=rm's reward model in training
+    (a value head, actor.optim with rm.head_lr). Each runs actor.strategy's engine with that engine's own
+    config section (cfg.deepspeed, cfg.megatron), its offload flags and trainer.checkpoint_format."""
+    if role not in ENGINE_ROLES:
+        raise ValueError(f"role={role!r} is not one of {', '.join(ENGINE_ROLES)}")
+    actor, policy = cfg.actor, role in ("actor", "ref")
+    # (The value heads run the engine's default padding mode and no Ulysses sequence parallelism.)
+    layout = {"use_remove_padding": str(actor.use_remove_padding),
+              "sequence_parallel_size": actor.ulysses_sequence_parallel_size} if policy else {}
     return EngineSettings(
-        model_path=model_path, strategy=actor.strategy, head="causal_lm", device=device_request(cfg),
-        gradient_checkpointing=cfg.model.gradient_checkpointing and train,
-        trust_remote_code=cfg.model.trust_remote_code, use_remove_padding=str(actor.use_remove_padding),
-        sequence_parallel_size=actor.ulysses_sequence_parallel_size,
-        **engine_offload(cfg, "actor" if train else "ref"), deepspeed=deepspeed_settings(cfg),
-        megatron=megatron_settings(cfg),
-        optim=optim_settings(actor.optim, cfg) if train else None,
-        lora=lora_settings(cfg) if train else LoraSettings(), checkpoint_format=cfg.trainer.checkpoint_format,
-        freeze_vision_tower=actor.freeze_vision_tower and train)
+        model_path=model_path, strategy=actor.strategy, head="causal_lm" if policy else "value",
+        device=device_request(cfg), gradient_checkpointing=cfg.model.gradient_checkpointing and role != "ref",
+        trust_remote_code=cfg.model.trust_remote_code, **layout, **engine_offload(cfg, role),
+        section=engine_section(cfg, actor.strategy), optim=engine_optim(cfg, role),
+        lora=lora_settings(cfg) if role == "actor" else LoraSettings(), checkpoint_format=cfg.trainer.checkpoint_format,
+        freeze_vision_tower=actor.freeze_vision_tower and role == "actor")
+
+
+def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> EngineSettings:
+    """(Kept for rlframe/stages/dpo.py until it calls engine_settings.)"""
+    return engine_settings(cfg, "actor" if train else "ref", model_path)
 
 
 def actor_update_loop(cfg: RLConfig) -> UpdateLoop:
@@ -162,25 +166,20 @@ def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:
 
 def actor_settings(cfg: RLConfig, model_path: str, *, with_rollout: bool = True) -> ActorSettings:
     """with_rollout=False: disaggregated placement, the engines live in the rollout pool."""
-    return ActorSettings(engine=policy_engine_settings(cfg, model_path, train=True), loop=actor_update_loop(cfg),
+    return ActorSettings(engine=engine_settings(cfg, "actor", model_path), loop=actor_update_loop(cfg),
                          loss=policy_loss_settings(cfg), log_prob=log_prob_settings(cfg),
                          rollout=rollout_settings(cfg, model_path) if with_rollout else None, seed=cfg.trainer.seed,
                          weight_sync_timeout_s=cfg.trainer.timeouts.weight_sync)
 
 
 def ref_settings(cfg: RLConfig, model_path: str) -> RefSettings:
-    return RefSettings(engine=policy_engine_settings(cfg, model_path, train=False), log_prob=log_prob_settings(cfg))
+    return RefSettings(engine=engine_settings(cfg, "ref", model_path), log_prob=log_prob_settings(cfg))
 
 
 def critic_settings(cfg: RLConfig, model_path: str) -> CriticSettings:
     """model_path: critic.model_path when set, else the actor's model (resolved by the driver)."""
     critic, world = cfg.critic, cfg.actor.world_size
-    engine = EngineSettings(model_path=model_path, strategy=cfg.actor.strategy, head="value",
-                            device=device_request(cfg), gradient_checkpointing=cfg.model.gradient_checkpointing,
-                            trust_remote_code=cfg.model.trust_remote_code, deepspeed=deepspeed_settings(cfg),
-                            megatron=megatron_settings(cfg), **engine_offload(cfg, "critic"),
-                            optim=optim_settings(critic.optim, cfg, head_lr=critic.head_lr),
-                            checkpoint_format=cfg.trainer.checkpoint_format)
+    engine = engine_settings(cfg, "critic", model_path)
     mini = critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
     loop = UpdateLoop(mini_batch_size=mini * cfg.rollout.n // world, micro_batch_size=critic.ppo_micro_batch_size_per_device,
                       epochs=critic.ppo_epochs, shuffle=cfg.actor.shuffle, loss_agg_mode=critic.loss_agg_mode)

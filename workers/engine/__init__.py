@@ -1,36 +1,27 @@
-"""Trainer engines: one interface (`base.TrainerEngine`), one implementation per backend.
+"""Training engines: one interface (`base.TrainingEngine`), one package per backend (`fsdp/`, `deepspeed/`,
+`megatron/`; LoRA adapters are `lora.py`, applied by the fsdp engine).
 
     engine = build_engine(settings, profile, name="actor")
 
-`settings.strategy` picks the implementation from `ENGINES`. To add a backend: implement
-`TrainerEngine` (forward_micro, backward, clip_norm, iter_full_weights, save_state, load_state;
-optionally offload/reload and sequence parallelism) in a module here, add it to `ENGINES`, and
-allow its name in `rlframe/config.py`'s validation of `actor.strategy`.
+`settings.strategy` names the engine in `registry.ENGINES`; adding one is described there.
 """
 
 from __future__ import annotations
 
-from rlframe.device import DeviceProfile
-from rlframe.workers.engine.base import LossFn, LossOutput, MetricSums, TrainerEngine
-from rlframe.workers.settings import EngineSettings
+from typing import TYPE_CHECKING
 
-ENGINES = ("fsdp", "deepspeed", "megatron")
+from rlframe.workers.engine.registry import ENGINES, engine_class
 
-
-def build_engine(settings: EngineSettings, profile: DeviceProfile, name: str = "actor") -> TrainerEngine:
-    if settings.strategy == "fsdp":
-        from rlframe.workers.engine.fsdp import FSDPEngine
-
-        return FSDPEngine(settings, profile, name=name)
-    if settings.strategy == "deepspeed":
-        from rlframe.workers.engine.deepspeed import DeepSpeedEngine
-
-        return DeepSpeedEngine(settings, profile, name=name)
-    if settings.strategy == "megatron":
-        from rlframe.workers.engine.megatron import MegatronEngine
-
-        return MegatronEngine(settings, profile, name=name)
-    raise ValueError(f"{name}.strategy={settings.strategy!r} is not an engine ({', '.join(ENGINES)})")
+if TYPE_CHECKING:
+    from rlframe.device import DeviceProfile
+    from rlframe.workers.engine.base import TrainingEngine
+    from rlframe.workers.settings import EngineSettings
 
 
-__all__ = ["ENGINES", "LossFn", "LossOutput", "MetricSums", "TrainerEngine", "build_engine"]
+def build_engine(settings: EngineSettings, profile: DeviceProfile, name: str = "actor") -> TrainingEngine:
+    if settings.strategy not in ENGINES:
+        raise ValueError(f"{name}.strategy={settings.strategy!r} is not an engine ({', '.join(ENGINES)})")
+    return engine_class(settings.strategy)(settings, profile, name=name)
+
+
+__all__ = ["ENGINES", "build_engine"]

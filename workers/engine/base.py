@@ -1,5 +1,5 @@
-"""The trainer-engine interface: what every training backend (FSDP2 today; Megatron-core, DeepSpeed,
-LoRA next) offers the roles.
+"""The training-engine interface: what every training backend (FSDP2, DeepSpeed ZeRO, Megatron-core;
+LoRA adapters on FSDP) offers the roles.
 
     engine = build_engine(settings, profile)           # build + shard the model (+ optimizer)
     out = engine.forward(data, forward_settings)         # no grad: {"log_probs", "entropy"} or {"values"}
@@ -101,7 +101,7 @@ def global_agg_kwargs(mini: DataProto, mode: str, horizon: int, replicas: int = 
             "num_seqs": all_reduce_sum(float((mask.sum(-1) > 0).sum())) / replicas, "horizon": horizon}
 
 
-class TrainerEngine(ABC):
+class TrainingEngine(ABC):
     """One rank's model (+ optimizer) of a role; see the module docstring for the interface."""
 
     settings: EngineSettings

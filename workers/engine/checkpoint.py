@@ -1,4 +1,4 @@
-"""Saving and loading a trainer engine's state inside its worker processes (all ranks together).
+"""Saving and loading a training engine's state inside its worker processes (all ranks together).
 
 Layout written under `<checkpoint>/actor/` or `critic/` (see rlframe/trainer/checkpoint.py for the folder):
 
@@ -49,7 +49,7 @@ def _distributed(model) -> bool:
 
 
 def save_engine_state(engine, out_dir: str | Path, tokenizer_source: str | None = None) -> None:
-    """Write `engine` (a TrainerEngine with an optimizer) into `out_dir` (every rank calls)."""
+    """Write `engine` (a TrainingEngine with an optimizer) into `out_dir` (every rank calls)."""
     out = Path(out_dir)
     rank = _rank()
     lora = getattr(engine, "lora", None)

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA for the trainer engines: low-rank adapters trained over a frozen base model (peft).
+"""LoRA and QLoRA for the training engines: low-rank adapters trained over a frozen base model (peft).
 
     peft_config = apply_lora(model, settings.lora)     # in place, before sharding: base frozen
     with adapters_disabled(model): ...                 # the base model: the reference policy, for free

@@ -1,8 +1,8 @@
-"""The DeepSpeed ZeRO trainer engine (`actor.strategy=deepspeed`): the backend OpenRLHF users know.
+"""The DeepSpeed ZeRO training engine (`actor.strategy=deepspeed`): the backend OpenRLHF users know.
 
     engine = DeepSpeedEngine(settings, profile, name="actor")   # via build_engine(...)
 
-Same interface and the same update loop as the FSDP engine (`base.TrainerEngine`); what changes is
+Same interface and the same update loop as the FSDP engine (`base.TrainingEngine`); what changes is
 who shards and steps:
 
 - ZeRO stage 2 (optimizer state and gradients partitioned over the data-parallel ranks) or 3
@@ -27,21 +27,15 @@ who shards and steps:
 The frozen reference policy runs through a DeepSpeed engine without an optimizer: ZeRO-3
 partitioned parameters at stage 3 (inference, as OpenRLHF does), the plain module otherwise.
 
-DeepSpeed JIT-compiles C++ ops the first time a process needs them (`deepspeed_shm_comm` whenever
-its communication layer starts on CPU, `cpu_adam` for optimizer offload). Two processes compiling
-the same op at once abort (seen with deepspeed 0.19.8), so `build_ops` compiles under a file lock;
-`make install` runs it once (`python -m rlframe.workers.engine.deepspeed`).
+Its settings are the config's `deepspeed:` section (`settings.py`, which also holds its checks); the
+compiled C++ ops it loads are built by `ops.py`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import importlib.util
 import logging
 import os
-import shutil
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,22 +47,20 @@ import torch.distributed as dist
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.distributed import barrier, rank
-from rlframe.workers.engine.base import MODEL_INPUTS, TrainerEngine
+from rlframe.workers.engine.base import MODEL_INPUTS, TrainingEngine
 from rlframe.workers.engine.checkpoint import OPTIMIZER_FILE, load_rank_state, save_rank_state
+from rlframe.workers.engine.deepspeed.ops import COMM_OPS, CPU_ADAM_OP, _import_deepspeed, build_ops
+from rlframe.workers.engine.deepspeed.settings import SUPPORTED_ZERO_STAGES, DeepSpeedSettings
 from rlframe.workers.engine.hf_model import build_causal_lm, forward_response_log_probs
 from rlframe.workers.engine.value_model import build_value_model, forward_response_values
 from rlframe.workers.hf_folder import WEIGHTS_FILE, write_hf_folder
-from rlframe.workers.settings import DeepSpeedSettings, EngineSettings, OptimSettings
+from rlframe.workers.settings import EngineSettings, OptimSettings
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ZERO_STAGES = (2, 3)
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 # What torch's AdamW (the FSDP engine) and DeepSpeedCPUAdam share of a param group's settings.
 ADAMW_GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
-# The ops a process may JIT-compile, per need (DeepSpeed op-builder class names).
-COMM_OPS = ("ShareMemCommBuilder",)  # loaded by deepspeed.comm on the CPU accelerator
-CPU_ADAM_OP = "CPUAdamBuilder"
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -122,75 +114,17 @@ def deepspeed_config(ds: DeepSpeedSettings, profile: DeviceProfile, *, train: bo
     return config
 
 
-# ------------------------------------------------------------------------------ compiled ops
-def _extensions_dir() -> Path:
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-
-
-@contextmanager
-def _ops_lock():
-    """One process at a time compiles or loads DeepSpeed's JIT ops on this machine."""
-    folder = _extensions_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "rlframe-deepspeed-ops.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def build_ops(names: tuple[str, ...] | list[str]) -> None:
-    """Compile (first time) and load the named DeepSpeed ops under the file lock; the accelerator's
-    builders only: an op this accelerator does not use is skipped."""
-    from deepspeed.accelerator import get_accelerator
-
-    with _ops_lock():
-        for name in names:
-            builder = get_accelerator().create_op_builder(name)
-            if builder is not None and builder.is_compatible(verbose=False):
-                builder.load(verbose=False)
-
-
-def extension_problem(op: str = CPU_ADAM_OP) -> str | None:
-    """Why DeepSpeed cannot load op `op` on this machine (no prebuilt op and no way to compile one),
-    or None. Checked by validate_config before any worker starts."""
-    if importlib.util.find_spec("deepspeed") is None:
-        return "the deepspeed package is not installed"
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import installed_ops
-
-    builder = get_accelerator().create_op_builder(op)
-    if builder is None:
-        return f"DeepSpeed's {get_accelerator().device_name()} accelerator has no {op}"
-    if installed_ops.get(builder.NAME) or (_extensions_dir() / _cache_folder(builder)).is_dir():
-        return None  # prebuilt into the wheel, or compiled here before
-    if not builder.is_compatible(verbose=False):
-        return f"DeepSpeed reports {builder.NAME} incompatible here: {'; '.join(builder.error_log or []) or 'see ds_report'}"
-    if shutil.which("ninja") is None:
-        return f"{builder.NAME} must be compiled on first use and ninja is missing (pip install ninja)"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"{builder.NAME} must be compiled on first use and there is no C++ compiler ('{compiler}')"
-    return None
-
-
-def _cache_folder(builder) -> str:
-    """Where torch.utils.cpp_extension puts a JIT-compiled op (under the extensions directory)."""
-    version = f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' + torch.version.cuda.replace('.', '') if torch.version.cuda else 'cpu'}"
-    return f"{version}/{builder.NAME}"
-
-
 # ------------------------------------------------------------------------------------ engine
-class DeepSpeedEngine(TrainerEngine):
+class DeepSpeedEngine(TrainingEngine):
     def __init__(self, settings: EngineSettings, profile: DeviceProfile, name: str = "actor"):
         if settings.sequence_parallel_size > 1:
             raise ValueError(f"{name}: Ulysses sequence parallelism runs on the fsdp engine only. "
                              "Fix: actor.ulysses_sequence_parallel_size=1 or actor.strategy=fsdp")
         self.settings, self.profile, self.name = settings, profile, name
+        self.ds_settings = settings.section or DeepSpeedSettings()  # the config's deepspeed section
         self.device = torch.device(profile.device)
         train = settings.optim is not None
-        ds_config = deepspeed_config(settings.deepspeed, profile, train=train,
+        ds_config = deepspeed_config(self.ds_settings, profile, train=train,
                                      grad_clip=settings.optim.grad_clip if train else 0.0,
                                      offload_params=settings.offload_params,
                                      offload_optimizer=settings.offload_optimizer)
@@ -199,7 +133,7 @@ class DeepSpeedEngine(TrainerEngine):
         _init_distributed(deepspeed)
 
         self.value_head = settings.head == "value"
-        from rlframe.workers.engine.fsdp import use_remove_padding
+        from rlframe.workers.engine.fsdp.engine import use_remove_padding
 
         self.packed = not self.value_head and use_remove_padding(settings.use_remove_padding, profile)
         checkpointing = settings.gradient_checkpointing and train
@@ -324,7 +258,7 @@ class DeepSpeedEngine(TrainerEngine):
         weights = load_file(str(src / WEIGHTS_FILE))
         optim_state = torch.load(src / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
         named = dict(self.model.named_parameters())
-        for bucket in _buckets(list(named.items()), self.settings.deepspeed.gather_bucket_size):
+        for bucket in _buckets(list(named.items()), self.ds_settings.gather_bucket_size):
             self._set_weights(bucket, weights)
         for name, param in named.items():
             for key in ADAM_STATE_KEYS:
@@ -346,7 +280,7 @@ class DeepSpeedEngine(TrainerEngine):
         weights (bf16 on GPU). Tied weights appear under each of their names, as in `state_dict`.
         """
         entries = list(self.model.state_dict(keep_vars=True).items())
-        for bucket in _buckets(entries, self.settings.deepspeed.gather_bucket_size):
+        for bucket in _buckets(entries, self.ds_settings.gather_bucket_size):
             params = list({id(t): t for _, t in bucket if _is_zero3(t)}.values())  # (tied weights: once)
             with _gathered(params):
                 for name, tensor in bucket:
@@ -385,15 +319,6 @@ class DeepSpeedEngine(TrainerEngine):
 
 
 # ------------------------------------------------------------------------------ small helpers
-def _import_deepspeed(profile: DeviceProfile):
-    """deepspeed, with the accelerator of our device profile (not whatever it would detect)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if profile.is_gpu else "cpu")
-    import deepspeed
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    return deepspeed
-
-
 def _init_distributed(deepspeed) -> None:
     """DeepSpeed's communication layer over our process group (a one-rank gloo group for a plain object)."""
     if not dist.is_initialized():
@@ -489,20 +414,3 @@ def _set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, ke
     from deepspeed.utils import safe_set_full_optimizer_state
 
     safe_set_full_optimizer_state(param, value.to(torch.float32), key)
-
-
-def main() -> None:
-    """`make install`: compile the ops once, before parallel ranks need them. An op that cannot be
-    built is reported, not fatal: validate_config names it if a run asks for it."""
-    _import_deepspeed(DeviceProfile("cuda" if torch.cuda.is_available() else "cpu", torch.float32, "", "", "", False))
-    for op in COMM_OPS + (CPU_ADAM_OP,):
-        try:
-            build_ops([op])
-            print(f"deepspeed op {op}: ready")
-        except Exception as error:  # (a missing compiler or CUDA toolkit; the message says which)
-            print(f"deepspeed op {op}: NOT built ({type(error).__name__}: {error}); "
-                  "runs that need it will say so before they start")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The FSDP2 trainer engine: an HF model sharded with `fully_shard`, trained with AdamW.
+"""The FSDP2 training engine: an HF model sharded with `fully_shard`, trained with AdamW.
 
 One class for every role that trains or scores with a model: the actor and the reference policy
 (`head="causal_lm"`: log-probs and entropy of the response tokens, packed and Ulysses-parallel
@@ -22,7 +22,7 @@ import torch
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
-from rlframe.workers.engine.base import MODEL_INPUTS, TrainerEngine
+from rlframe.workers.engine.base import MODEL_INPUTS, TrainingEngine
 from rlframe.workers.engine import lora as lora_lib
 from rlframe.workers.engine.checkpoint import load_engine_state, save_engine_state
 from rlframe.workers.engine.hf_model import (build_causal_lm, forward_response_log_probs, iter_full_weights,
@@ -38,7 +38,7 @@ def use_remove_padding(setting: str, profile: DeviceProfile) -> bool:
     return profile.attn_implementation != "eager" if setting == "auto" else setting == "true"
 
 
-class FSDPEngine(TrainerEngine):
+class FSDPEngine(TrainingEngine):
     def __init__(self, settings: EngineSettings, profile: DeviceProfile, name: str = "actor"):
         self.settings, self.profile, self.name = settings, profile, name
         self.device = torch.device(profile.device)

@@ -1,14 +1,14 @@
-"""The Megatron-core trainer engine (`actor.strategy=megatron`): tensor, pipeline, sequence, context and
+"""The Megatron-core training engine (`actor.strategy=megatron`): tensor, pipeline, sequence, context and
 expert parallelism for the actor, the reference policy and the critic (dense and MoE models).
 
     engine = MegatronEngine(settings, profile, name="actor")   # via build_engine(...)
 
-Same interface and the same update loop as the FSDP engine (`base.TrainerEngine`, the loss functions
+Same interface and the same update loop as the FSDP engine (`base.TrainingEngine`, the loss functions
 of rlframe/algos): what changes is the model.
 
 - The HF checkpoint (Llama / Qwen2 family, Qwen2-MoE, Mixtral; anything else is a ValueError naming the architecture) is
   converted into a Megatron-core `GPTModel` built with the transformer-engine-free local layer spec
-  (`megatron_convert.py`: fused QKV and gate/up, TP shards, layers renumbered per pipeline stage). Core
+  (`convert.py`: fused QKV and gate/up, TP shards, layers renumbered per pipeline stage). Core
   attention is torch's SDPA (`SDPACoreAttention`) with our padding + causal mask, which is what runs on
   CPU over gloo (the CPU profile) and on GPU without transformer-engine.
 - The ranks of one model replica (TP x PP: Megatron's model-parallel group) first exchange their
@@ -116,13 +116,14 @@ from torch import nn
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
 from rlframe.workers.distributed import all_reduce_max, barrier, rank as global_rank, world_size
-from rlframe.workers.engine.base import LossFn, LossOutput, TrainerEngine
+from rlframe.workers.engine.base import LossFn, LossOutput, TrainingEngine
 from rlframe.workers.engine.checkpoint import OPTIMIZER_FILE, load_rank_state, save_rank_state
 from rlframe.workers.engine.hf_model import LOGIT_CHUNK, trim_padding_columns
-from rlframe.workers.engine.megatron_convert import (GPTArch, hf_to_megatron, is_expert, is_tensor_parallel,
+from rlframe.workers.engine.megatron.convert import (GPTArch, hf_to_megatron, is_expert, is_tensor_parallel,
                                                      megatron_to_hf)
 from rlframe.workers.hf_folder import write_hf_folder
 from rlframe.workers.sequence_parallel import SequenceParallelGroup, gather_rows
+from rlframe.workers.engine.megatron.settings import MegatronSettings
 from rlframe.workers.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -639,11 +640,11 @@ def _replica_row_group(dp_rank: int) -> SequenceParallelGroup:
     return mine
 
 
-class MegatronEngine(TrainerEngine):
+class MegatronEngine(TrainingEngine):
     def __init__(self, settings: EngineSettings, profile: DeviceProfile, name: str = "actor"):
         from transformers import AutoConfig
 
-        mg = settings.megatron
+        mg = settings.section or MegatronSettings()
         if settings.sequence_parallel_size > 1:
             raise ValueError(f"{name}: Ulysses sequence parallelism runs on the fsdp engine only. "
                              "Fix: actor.ulysses_sequence_parallel_size=1")

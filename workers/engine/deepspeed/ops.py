@@ -1,0 +1,106 @@
+"""DeepSpeed's compiled ops: build them once under a file lock, and say why one cannot load here.
+
+DeepSpeed JIT-compiles C++ ops the first time a process needs them (`deepspeed_shm_comm` whenever
+its communication layer starts on CPU, `cpu_adam` for optimizer offload). Two processes compiling
+the same op at once abort (seen with deepspeed 0.19.8), so `build_ops` compiles under a file lock;
+`make install` runs it once (`python -m rlframe.workers.engine.deepspeed`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from rlframe.device import DeviceProfile
+
+# The ops a process may JIT-compile, per need (DeepSpeed op-builder class names).
+COMM_OPS = ("ShareMemCommBuilder",)  # loaded by deepspeed.comm on the CPU accelerator
+CPU_ADAM_OP = "CPUAdamBuilder"
+
+
+def _extensions_dir() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+
+
+@contextmanager
+def _ops_lock():
+    """One process at a time compiles or loads DeepSpeed's JIT ops on this machine."""
+    folder = _extensions_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "rlframe-deepspeed-ops.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build_ops(names: tuple[str, ...] | list[str]) -> None:
+    """Compile (first time) and load the named DeepSpeed ops under the file lock; the accelerator's
+    builders only: an op this accelerator does not use is skipped."""
+    from deepspeed.accelerator import get_accelerator
+
+    with _ops_lock():
+        for name in names:
+            builder = get_accelerator().create_op_builder(name)
+            if builder is not None and builder.is_compatible(verbose=False):
+                builder.load(verbose=False)
+
+
+def extension_problem(op: str = CPU_ADAM_OP) -> str | None:
+    """Why DeepSpeed cannot load op `op` on this machine (no prebuilt op and no way to compile one),
+    or None. Checked by validate_config before any worker starts."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "the deepspeed package is not installed"
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder(op)
+    if builder is None:
+        return f"DeepSpeed's {get_accelerator().device_name()} accelerator has no {op}"
+    if installed_ops.get(builder.NAME) or (_extensions_dir() / _cache_folder(builder)).is_dir():
+        return None  # prebuilt into the wheel, or compiled here before
+    if not builder.is_compatible(verbose=False):
+        return f"DeepSpeed reports {builder.NAME} incompatible here: {'; '.join(builder.error_log or []) or 'see ds_report'}"
+    if shutil.which("ninja") is None:
+        return f"{builder.NAME} must be compiled on first use and ninja is missing (pip install ninja)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"{builder.NAME} must be compiled on first use and there is no C++ compiler ('{compiler}')"
+    return None
+
+
+def _cache_folder(builder) -> str:
+    """Where torch.utils.cpp_extension puts a JIT-compiled op (under the extensions directory)."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' + torch.version.cuda.replace('.', '') if torch.version.cuda else 'cpu'}"
+    return f"{version}/{builder.NAME}"
+
+
+def _import_deepspeed(profile: DeviceProfile):
+    """deepspeed, with the accelerator of our device profile (not whatever it would detect)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if profile.is_gpu else "cpu")
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+def main() -> None:
+    """`make install`: compile the ops once, before parallel ranks need them. An op that cannot be
+    built is reported, not fatal: validate_config names it if a run asks for it."""
+    _import_deepspeed(DeviceProfile("cuda" if torch.cuda.is_available() else "cpu", torch.float32, "", "", "", False))
+    for op in COMM_OPS + (CPU_ADAM_OP,):
+        try:
+            build_ops([op])
+            print(f"deepspeed op {op}: ready")
+        except Exception as error:  # (a missing compiler or CUDA toolkit; the message says which)
+            print(f"deepspeed op {op}: NOT built ({type(error).__name__}: {error}); "
+                  "runs that need it will say so before they start")
