@@ -35,6 +35,8 @@ MULTI_TURN = ["rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tokens_p
 # What a recipe needs beyond TINY_SIZES to fit the tiny model in a minute (a stage's own batch keys, the
 # smallest parallel layout). A new recipe needs an entry only if it cannot run at TINY_SIZES.
 SIZES: dict[str, list[str]] = {
+    # dynamic sampling keeps only groups whose rewards differ: the random model scores 0 on every math problem
+    "dapo_math": [LENGTH_REWARD, "rollout.n=4"],
     "sft_math": ["data.arithmetic.n_train=16", "sft.batch_size=8", "sft.micro_batch_size=4", "sft.max_length=256",
                  "sft.epochs=1"],
     # pairs sampled by the policy, scored by a length reward (the random model never solves a problem)
