@@ -163,7 +163,7 @@ def test_megatron_keys_reach_the_engine_settings(tiny_model_dir):
 
     cfg = compose_config(["recipe=grpo_math_megatron", f"model.path={tiny_model_dir}"])
     assert cfg.actor.strategy == "megatron" and cfg.megatron.tensor_model_parallel_size == 3
-    assert actor_settings(cfg, str(tiny_model_dir)).engine.megatron.tensor_model_parallel_size == 3
+    assert actor_settings(cfg, str(tiny_model_dir)).engine.section.tensor_model_parallel_size == 3
     assert ref_settings(cfg, str(tiny_model_dir)).engine.strategy == "megatron"
 
 

@@ -66,17 +66,18 @@ def test_moe_round_trip_is_exact(kind, tmp_path):
 @pytest.mark.parametrize("kind,norm_topk_prob", [("qwen2_moe", False), ("qwen2_moe", True), ("mixtral", False)])
 def test_moe_logits_equal_transformers(kind, norm_topk_prob, tmp_path):
     from rlframe.device import detect_profile
-    from rlframe.workers.engine.megatron import engine as mg
     from rlframe.workers.engine.megatron.convert import GPTArch, hf_to_megatron
+    from rlframe.workers.engine.megatron.model import MegatronCausalLM, build_gpt, load_local_state
+    from rlframe.workers.engine.megatron.parallel import init_model_parallel
 
     config = moe_config(kind, norm_topk_prob)
     hf_model, state = saved_state(config, tmp_path)
     arch = GPTArch.from_hf(config)
-    mg.init_model_parallel(1)
-    gpt = mg.build_gpt(arch, 1, detect_profile("cpu", "float32"))
+    init_model_parallel(1)
+    gpt = build_gpt(arch, 1, detect_profile("cpu", "float32"))
     params = dict(gpt.named_parameters())
-    mg.load_local_state(params, hf_to_megatron(state, arch, names=list(params)))
-    model = mg.MegatronCausalLM(gpt, config, arch).eval()
+    load_local_state(params, hf_to_megatron(state, arch, names=list(params)))
+    model = MegatronCausalLM(gpt, config, arch).eval()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (3, 9), generator=g)
     mask = torch.ones(3, 9, dtype=torch.long)

@@ -30,11 +30,11 @@ from test_megatron import fsdp_critic_reference, fsdp_reference  # noqa: E402,F4
 
 
 def test_cp_chunk_layout():
-    from rlframe.workers.engine.megatron.engine import cp_positions
+    from rlframe.workers.engine.megatron.attention import cp_positions
 
     assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert sorted(torch.cat([cp_positions(12, 3, r) for r in range(3)]).tolist()) == list(range(12))
-    from rlframe.workers.engine.megatron.engine import attention_mask_for
+    from rlframe.workers.engine.megatron.attention import attention_mask_for
 
     mask = torch.ones(3, 12, dtype=torch.long)
     mask[0, :3] = 0  # left padding
@@ -63,7 +63,7 @@ def test_validation_of_sequence_and_context_parallel(tiny_model_dir):
 
     cfg = compose_config(["recipe=grpo_math_megatron", f"model.path={tiny_model_dir}", "megatron.sequence_parallel=true",
                           "megatron.context_parallel_size=2", "megatron.expert_model_parallel_size=2"])
-    engine = actor_settings(cfg, str(tiny_model_dir)).engine.megatron  # (the keys reach the engine)
+    engine = actor_settings(cfg, str(tiny_model_dir)).engine.section  # (the keys reach the engine)
     assert engine.sequence_parallel and engine.context_parallel_size == 2 and engine.expert_model_parallel_size == 2
 
 
@@ -109,7 +109,7 @@ def test_critic_two_ranks_equals_fsdp(ray_session, tiny_model_dir, request, para
     from rlframe.workers.roles.critic import CriticWorker
 
     settings = critic_settings_for(tiny_model_dir, "megatron", world_size=2, micro=1)
-    engine = dataclasses.replace(settings.engine, megatron=dataclasses.replace(settings.engine.megatron, **parallel))
+    engine = dataclasses.replace(settings.engine, section=dataclasses.replace(settings.engine.section, **parallel))
     pool = ResourcePool([2], cpus_per_bundle=1, name="megatron_critic_parallel")
     group = WorkerGroup(pool, {"critic": (CriticWorker, {"settings": dataclasses.replace(settings, engine=engine)})},
                         default_timeout_s=300)

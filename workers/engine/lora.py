@@ -194,10 +194,6 @@ def iter_adapter_weights(model: nn.Module, dtype: torch.dtype | None = None) -> 
             yield key, full.to(dtype) if dtype is not None else full
 
 
-def adapter_scaling(model: nn.Module) -> float:
-    return float(next(iter(lora_layers(model).values())).scaling[ADAPTER])
-
-
 # ---------------------------------------------------------------------------------------- peft folders
 def to_peft_key(key: str) -> str:
     """Model state-dict key -> peft's saved key: "x.q_proj.lora_A.default.weight" ->

@@ -7,6 +7,7 @@ the conversion module when they run).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass
@@ -40,12 +41,20 @@ def _chosen(cfg) -> bool:
     return cfg.actor.strategy == "megatron" and _installed()
 
 
-def _sizes(cfg) -> tuple[int, int, int, int] | None:
-    """(TP, PP, CP, EP) when megatron is chosen and every size is an integer >= 1, else None."""
-    sizes = tuple(getattr(cfg.megatron, key) for key in SIZE_KEYS)
+class Sizes(NamedTuple):
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    world: int  # actor.world_size
+
+
+def _sizes(cfg) -> Sizes | None:
+    """The parallel sizes when megatron is chosen and every one is an integer >= 1, else None."""
+    sizes = [getattr(cfg.megatron, key) for key in SIZE_KEYS]
     if not _chosen(cfg) or not all(isinstance(v, int) and v >= 1 for v in sizes):
         return None
-    return sizes
+    return Sizes(*sizes, world=cfg.actor.world_size)
 
 
 def installed(cfg, need) -> None:
@@ -64,40 +73,35 @@ def sizes_positive(cfg, need) -> None:
 
 def world_divisible(cfg, need) -> None:
     """The rest of actor.world_size after TP x PP x CP is data parallelism."""
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    tp, pp, cp, _ = sizes
-    world = cfg.actor.world_size
-    need(world % (tp * pp * cp) == 0, "actor.world_size",
-         f"{world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp} (the rest is data "
-         f"parallelism). Fix: actor.world_size={tp * pp * cp} (or a multiple), or smaller megatron.* sizes")
+    need(s.world % (s.tp * s.pp * s.cp) == 0, "actor.world_size",
+         f"{s.world} is not divisible by TP x PP x CP = {s.tp} x {s.pp} x {s.cp} = {s.tp * s.pp * s.cp} (the rest is "
+         f"data parallelism). Fix: actor.world_size={s.tp * s.pp * s.cp} (or a multiple), or smaller megatron.* sizes")
 
 
 def sequence_parallel_needs_tp(cfg, need) -> None:
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    need(not cfg.megatron.sequence_parallel or sizes[0] > 1, "megatron.sequence_parallel",
+    need(not cfg.megatron.sequence_parallel or s.tp > 1, "megatron.sequence_parallel",
          "needs megatron.tensor_model_parallel_size > 1 (it splits along the sequence what TP replicates). "
          "Fix: megatron.sequence_parallel=false, or TP > 1")
 
 
 def experts_fit_world(cfg, need) -> None:
     """The EP ranks are taken from the data-parallel ranks."""
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    tp, pp, _, ep = sizes
-    world = cfg.actor.world_size
-    need(world % (tp * pp * ep) == 0, "megatron.expert_model_parallel_size",
-         f"{ep}: the experts are split over EP ranks taken from the data-parallel ranks, so actor.world_size={world} "
-         f"must be divisible by TP x PP x EP = {tp * pp * ep}. Fix: a divisor of {world // (tp * pp)}")
+    need(s.world % (s.tp * s.pp * s.ep) == 0, "megatron.expert_model_parallel_size",
+         f"{s.ep}: the experts are split over EP ranks taken from the data-parallel ranks, so actor.world_size="
+         f"{s.world} must be divisible by TP x PP x EP = {s.tp * s.pp * s.ep}. Fix: a divisor of {s.world // (s.tp * s.pp)}")
 
 
 def no_experts_with_context_parallel(cfg, need) -> None:
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    _, _, cp, ep = sizes
-    need(ep == 1 or cp == 1, "megatron.expert_model_parallel_size",
-         f"{ep} with context_parallel_size={cp}: expert parallelism under context parallelism is not run here. "
+    need(s.ep == 1 or s.cp == 1, "megatron.expert_model_parallel_size",
+         f"{s.ep} with context_parallel_size={s.cp}: expert parallelism under context parallelism is not run here. "
          "Fix: one of them 1")
 
 
@@ -129,9 +133,9 @@ def architecture_supported(cfg, need, model) -> None:
 
 
 def heads_divisible_by_tp(cfg, need, model) -> None:
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    tp = sizes[0]
+    tp = s.tp
     heads = getattr(model, "num_attention_heads", 0)
     kv_heads = getattr(model, "num_key_value_heads", None) or heads
     need(heads % tp == 0 and kv_heads % tp == 0, "megatron.tensor_model_parallel_size",
@@ -140,27 +144,27 @@ def heads_divisible_by_tp(cfg, need, model) -> None:
 
 
 def layers_divisible_by_pp(cfg, need, model) -> None:
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    pp = sizes[1]
+    pp = s.pp
     layers = getattr(model, "num_hidden_layers", 0)
     need(layers % pp == 0, "megatron.pipeline_model_parallel_size",
          f"{pp} does not divide the model's {layers} layers. Fix: a divisor of {layers}")
 
 
 def experts_divisible_by_ep(cfg, need, model) -> None:
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    ep, experts = sizes[3], _experts(model)
+    ep, experts = s.ep, _experts(model)
     need(ep == 1 or (experts and experts % ep == 0), "megatron.expert_model_parallel_size",
          f"{ep} does not divide the model's {experts} routed experts" + (" (a dense model)" if not experts else "")
          + ". Fix: " + (f"a divisor of {experts}" if experts else "1"))
 
 
 def moe_tp_needs_sequence_parallel(cfg, need, model) -> None:
-    if (sizes := _sizes(cfg)) is None:
+    if (s := _sizes(cfg)) is None:
         return
-    tp = sizes[0]
+    tp = s.tp
     need(not _experts(model) or tp == 1 or cfg.megatron.sequence_parallel, "megatron.sequence_parallel",
          f"false with an MoE model at TP={tp}: megatron-core 0.16 refuses MoE x TP without sequence "
          "parallelism in training. Fix: megatron.sequence_parallel=true")
