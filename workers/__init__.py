@@ -1,1 +1,1 @@
-"""What runs inside Ray actors; imported as `rlframe.workers` (see README, "Architecture")."""
+"""What runs inside Ray actors; imported as `rlframe.workers` (see docs/architecture.md)."""
