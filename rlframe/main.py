@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_config, validate_model_lora
+from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_before_workers, validate_config
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -118,7 +118,7 @@ def compose_config(argv: list[str]) -> RLConfig:
         merged = OmegaConf.merge(OmegaConf.structured(RLConfig), agent_section_as_multi_turn(composed))
     except (HydraException, OmegaConfBaseException) as err:
         raise UsageError(f"in recipe '{recipe}' or its overrides: {err}\n"
-                         "Fix: check the key names against rlframe/config.py (e.g. actor.optim.lr=1e-6).") from None
+                         "Fix: check the key names against rlframe/config/ (e.g. actor.optim.lr=1e-6).") from None
     cfg: RLConfig = OmegaConf.to_object(merged)
     from rlframe.data.files import resolve_data_files
 
@@ -193,13 +193,8 @@ def run(cfg: RLConfig) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     print(f"run directory: {run_dir}", flush=True)
     model_path = resolve_model_path(cfg.model.path)
-    try:
-        if cfg.model.lora.rank > 0:  # target modules against the provisioned model, before any worker starts
-            validate_model_lora(cfg, model_path)
-        if cfg.trainer.memory_check != "off":  # per-device memory of every role; refuse what cannot fit
-            from rlframe.memory_plan import check_memory
-
-            check_memory(cfg, model_path)
+    try:  # the checks that read the provisioned model folder, then the memory plan, before any worker starts
+        validate_before_workers(cfg, model_path)
     except ConfigError as err:
         raise UsageError(str(err)) from None
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)

@@ -415,8 +415,9 @@ def read_shape(model_path: str) -> ModelShape:
 
 
 def check_memory(cfg, model_path: str) -> MemoryPlan:
-    """Plan, print, and refuse (ConfigError) a plan that does not fit, per trainer.memory_check."""
-    from rlframe.config import ConfigError
+    """Plan, print, and refuse (ConfigError) a plan that does not fit, per trainer.memory_check (run by
+    rlframe.config.validate_before_workers, and by `python -m rlframe.plan`)."""
+    from rlframe.config.checks import ConfigError
 
     gpu = plans_gpu(cfg)
     capacity = device_capacity_gib(cfg, gpu)

@@ -231,17 +231,13 @@ def _json_ready(value):
 
 
 def pool_from_config(cfg, model_path: str) -> PartialRolloutPool | None:
-    """The pool for rollout.partial.enable (None when off); refuses a vision-language policy before workers start."""
+    """The pool for rollout.partial.enable (None when off). (A vision-language policy was refused before the
+    workers started: rlframe.config.rollout.partial_policy_is_text_only.)"""
     if not cfg.rollout.partial.enable:
         return None
-    from rlframe.config import ConfigError, partial_tokens_per_round
-    from rlframe.workers.engine.hf_model import is_vision_language
+    from rlframe.config import partial_tokens_per_round
     from rlframe.workers.rollout.base import eos_and_pad_ids
 
-    if is_vision_language(model_path, cfg.model.trust_remote_code):
-        raise ConfigError(f"invalid configuration:\n  - rollout.partial.enable: {model_path} is a vision-language model; "
-                          "responses to image prompts are not continued (the engine would need the pixels and 3-D "
-                          "positions again). Fix: rollout.partial.enable=false")
     eos_ids, pad_id = eos_and_pad_ids(model_path, cfg.model.trust_remote_code)
     partial = cfg.rollout.partial
     return PartialRolloutPool(batch_size=cfg.data.train_batch_size, group_size=cfg.rollout.n,

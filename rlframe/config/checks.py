@@ -1,0 +1,68 @@
+"""How a configuration check is written and run: `rule(cfg, need)` calls `need(ok, key, message)` per rule.
+
+    def mini_batch_divides_train_batch(cfg, need):
+        need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
+             "... Fix: make the mini-batch divide the batch.")
+
+Each section module (model.py, data.py, ...) lists its checks in `CHECKS` (rules on the config alone)
+and `FOLDER_CHECKS` (`rule(cfg, need, model_dir)`: rules that read the model's folder, `model_dir`
+None when it is not on this machine yet). `problems_of` runs them and gathers every failed rule as
+"key: message"; `raise_problems` reports them all at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+Need = Callable[[bool, str, str], None]  # need(condition, key, message): a problem unless condition
+Check = Callable[[Any, Need], None]  # rule(cfg, need)
+FolderCheck = Callable[[Any, Need, "str | None"], None]  # rule(cfg, need, model_dir)
+
+
+class ConfigError(ValueError):
+    """An inconsistent configuration; the message lists every problem with its key and fix."""
+
+
+def problems_of(cfg: Any, checks: Iterable[Callable], *args: Any) -> list[str]:
+    """Run each `check(cfg, need, *args)` in order; the failed rules as "key: message", in the order found."""
+    problems: list[str] = []
+
+    def need(condition: bool, key: str, message: str) -> None:
+        if not condition:
+            problems.append(f"{key}: {message}")
+
+    for check in checks:
+        check(cfg, need, *args)
+    return problems
+
+
+def raise_problems(problems: list[str]) -> None:
+    """ConfigError listing every problem, one per line; nothing when there is none."""
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def resolvable(path: str) -> bool:
+    """A model folder on disk, an embedded model, or an HF hub id."""
+    from rlframe.models.provision import is_resolvable
+
+    return is_resolvable(path)
+
+
+def local_model_dir(path: str) -> str | None:
+    """A model folder with a config.json on this machine (a folder, or an embedded model already
+    converted into the cache); None for hub ids and models not provisioned yet."""
+    from rlframe.models.provision import EMBEDDED_MODELS, cache_root
+
+    if path in EMBEDDED_MODELS:
+        folder = cache_root() / "models" / EMBEDDED_MODELS[path].folder_name
+    else:
+        folder = Path(path).expanduser()
+    return str(folder) if (folder / "config.json").is_file() else None

@@ -1,0 +1,289 @@
+"""The `rollout:` section (the generation engines, multi-turn tool use, partial rollouts) and its checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ToolConfig:
+    path: str = "tools/calculator.py"  # a Python file defining the function and TOOL_SCHEMAS[name]
+    name: str = "calculator"
+
+
+@dataclass
+class EnvironmentConfig:
+    path: str = ""  # "" = no environment; else a Python file defining the class
+    name: str = ""
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (workers/rollout/agent_loop.py): model turns alternate with tool
+    turns until an answer (a turn without a tool call), `max_turns` model turns, or the response budget
+    (data.max_response_length, model + tool tokens). Tool tokens are context, never trained on."""
+
+    enable: bool = False
+    tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig()])
+    max_turns: int = 3
+    max_tokens_per_turn: int = 0  # a model turn's cap (0: the remaining budget); a cut turn is still parsed
+    max_tool_response_tokens: int = 64  # an observation is cut to this many tokens
+    tool_timeout_s: float = 5.0  # a call that takes longer becomes a timeout error the model sees
+    format: str = "hermes"  # tool-call parser: hermes (<tool_call>{json}</tool_call>) | tag (<name>text</name>)
+    #                         | path/to/parser.py:function (text, tools) -> list[ToolCall]
+    tool_prompt: bool = True  # a system message describing the tools, in front of each prompt
+    tool_prompt_tokens: int = 256  # room for it in the engine's max_model_len
+    # An environment (class with reset(row) and step(model_text) -> (observation, reward, done)) judges
+    # each model turn without a tool call: its observation becomes the next user message; the sum of its
+    # rewards is added to the score (outcome reward on the last model token).
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    # where the environment's per-turn rewards go: final (their sum on the last model token, with the outcome
+    # reward) | per_turn (each on the last token of the turn it judged; same total, so grpo/rloo see no change,
+    # gae and reinforce_plus_plus with gamma < 1 credit each turn, and grpo_turn with turn_gamma < 1)
+    turn_rewards: str = "final"
+
+
+@dataclass
+class PartialRolloutConfig:
+    """Partial rollouts (rlframe/trainer/partial.py): each generation call gives a response at most
+    max_tokens_per_round new tokens; a response not finished then is held back and continued, from its
+    prompt + partial tokens, by a later call -- after a weight sync, with newer weights. Every token records
+    the policy version that produced it (token_policy_version) beside its log-prob, so the off-policy
+    correction (TIS) weighs each token against the weights that sampled it. A step trains
+    data.train_batch_size prompt groups whose n samples have all finished (the oldest first); a step
+    generates one round, more only while fewer groups than that have finished."""
+
+    enable: bool = False
+    # New tokens per response per generation call; 0: ceil(data.max_response_length / span), where span =
+    # max_token_staleness - trainer.max_staleness (0 when synchronous) + 1 is the steps a response may take.
+    max_tokens_per_round: int = 0
+    # A group is trained only while every token is at most this many policy versions behind the trainer;
+    # older held-back groups are restarted from their prompt (partial/restarted_groups). >= max_staleness + 1.
+    max_token_staleness: int = 2
+    # Prompt batches kept in flight beyond the one a step trains (over-sampling): the held-back pool.
+    oversample_batches: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"  # auto (vllm when installed, else hf) | vllm | hf
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    val_temperature: float = 0.0  # greedy validation
+    # Seed every training sample's sampling from (trainer.seed, step, prompt uid, sample index), so that a
+    # resumed run samples the same tokens with vLLM (whose engine RNG is not checkpointed) as without
+    # the interruption. Costs vLLM a per-request generator in its sampler (small on CPU; on GPU at
+    # thousands of concurrent requests, turn it off if exact resume does not matter to you).
+    seed_each_sample: bool = True
+    gpu_memory_utilization: float = 0.4
+    cpu_kv_cache_gib: float = 1.0  # vLLM CPU KV cache (fractions allowed; pages released between generations)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # GPU only: CPU generators cannot rewind after a partial prefill
+    max_num_batched_tokens: int = 4096
+    enable_sleep_mode: bool = True  # GPU only: free engine memory while the trainer trains
+    enforce_eager: bool = True
+    # Disaggregated placement (trainer.placement=disaggregated): data-parallel engines on their own
+    # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.
+    world_size: Optional[int] = None
+    weight_bucket_mb: int = 64  # bucket size of that broadcast
+    # Tensor-parallel vLLM: each engine spans this many consecutive ranks (colocated: of the actor's
+    # world; disaggregated: of rollout.world_size), for policies too large for one device's engine.
+    tensor_parallel_size: int = 1
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # `rollout.agent` is another name for `rollout.multi_turn` (read into it by rlframe.main before validation)
+    agent: Optional[dict[str, Any]] = None
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+
+
+ENGINES = ("auto", "vllm", "hf")
+TURN_REWARDS = ("final", "per_turn")
+
+
+def partial_tokens_per_round(cfg) -> int:
+    """rollout.partial.max_tokens_per_round with 0 resolved: the smallest budget with which a full-length response
+    finishes within the steps the token staleness bound allows (ceil(max_response_length / span))."""
+    chosen = cfg.rollout.partial.max_tokens_per_round
+    return chosen if chosen > 0 else -(-cfg.data.max_response_length // partial_span_steps(cfg))
+
+
+def partial_span_steps(cfg) -> int:
+    """The steps a held-back response may span before its first tokens are too stale to train (>= 1)."""
+    depth = cfg.trainer.max_staleness if cfg.trainer.async_rollout else 0
+    return max(1, cfg.rollout.partial.max_token_staleness - depth + 1)
+
+
+# ------------------------------------------------------------------------------------ checks
+def engine_known(cfg, need) -> None:
+    need(cfg.rollout.engine in ENGINES, "rollout.engine", f"'{cfg.rollout.engine}' is not one of {', '.join(ENGINES)}")
+
+
+def n_positive(cfg, need) -> None:
+    need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
+
+
+def tensor_parallel_divides_engine_ranks(cfg, need) -> None:
+    """A tensor-parallel engine spans rollout.tensor_parallel_size consecutive ranks of the engines' ranks."""
+    rollout, actor, colocated = cfg.rollout, cfg.actor, cfg.trainer.placement == "colocated"
+    tp = rollout.tensor_parallel_size
+    engine_ranks = actor.world_size if colocated else (rollout.world_size or actor.world_size)
+    need(tp >= 1 and engine_ranks % max(tp, 1) == 0, "rollout.tensor_parallel_size",
+         f"{tp} must be >= 1 and divide the {engine_ranks} ranks that run rollout engines "
+         f"({'actor.world_size' if colocated else 'rollout.world_size'}). Fix: a divisor of it")
+
+
+def tensor_parallel_supported(cfg, need) -> None:
+    """What a tensor-parallel engine does not run: the HF engine, multi-turn rollouts, adapter-only weight sync."""
+    rollout, lora = cfg.rollout, cfg.model.lora
+    tp = rollout.tensor_parallel_size
+    need(tp == 1 or rollout.engine != "hf", "rollout.tensor_parallel_size",
+         "the HF generate engine has no tensor parallelism. Fix: rollout.engine=vllm (or auto)")
+    need(tp == 1 or not rollout.multi_turn.enable, "rollout.tensor_parallel_size",
+         "multi-turn rollouts schedule turns as tools return, which differs between ranks; the ranks of a "
+         "tensor-parallel engine must submit identical requests. Fix: rollout.tensor_parallel_size=1")
+    need(tp == 1 or lora.weight_sync != "adapter" or lora.rank == 0, "rollout.tensor_parallel_size",
+         "adapter-only weight sync is not wired for tensor-parallel engines. Fix: model.lora.weight_sync=merged")
+
+
+def world_size_fits_placement(cfg, need) -> None:
+    """rollout.world_size: >= 1; in colocated placement the actor's (the engines share its devices)."""
+    rw = cfg.rollout.world_size
+    need(rw is None or rw >= 1, "rollout.world_size", "must be >= 1")
+    need(rw is None or cfg.trainer.placement == "disaggregated" or rw == cfg.actor.world_size, "rollout.world_size",
+         "in colocated placement the engines share the actor's devices (rollout.world_size = actor.world_size). "
+         "Fix: drop rollout.world_size, or trainer.placement=disaggregated")
+
+
+def weight_bucket_positive(cfg, need) -> None:
+    need(cfg.rollout.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", "must be >= 1")
+
+
+def multi_turn_limits(cfg, need) -> None:
+    """rollout.multi_turn's turn, token and time limits, and where per-turn rewards go."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    need(mt.max_turns >= 1, "rollout.multi_turn.max_turns", "must be >= 1")
+    need(mt.max_tokens_per_turn >= 0, "rollout.multi_turn.max_tokens_per_turn", "must be >= 0 (0 = no cap)")
+    need(mt.max_tool_response_tokens >= 1, "rollout.multi_turn.max_tool_response_tokens", "must be >= 1")
+    need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0")
+    need(mt.tool_prompt_tokens >= 0, "rollout.multi_turn.tool_prompt_tokens", "must be >= 0")
+    need(mt.turn_rewards in TURN_REWARDS, "rollout.multi_turn.turn_rewards",
+         f"'{mt.turn_rewards}' is not final or per_turn. Fix: rollout.multi_turn.turn_rewards=per_turn")
+
+
+def multi_turn_one_rank_per_engine(cfg, need) -> None:
+    # tensor-parallel engine ranks must submit identical requests in the same order; the agent loop's
+    # turns depend on when tools return, which differs between ranks
+    tp = cfg.rollout.tensor_parallel_size
+    need(not cfg.rollout.multi_turn.enable or tp == 1, "rollout.multi_turn.enable",
+         f"multi-turn rollouts need rollout.tensor_parallel_size=1 (got {tp}). "
+         "Fix: rollout.tensor_parallel_size=1 (data-parallel engines instead)")
+
+
+def multi_turn_files_load(cfg, need) -> None:
+    """The tool-call parser, and every tool and environment file / function / schema (imported here, in
+    the driver, before any worker)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    from rlframe.workers.rollout.tools import ToolLoadError, get_parser, load_environment, load_tool
+
+    try:
+        get_parser(mt.format)
+    except ToolLoadError as error:
+        need(False, "rollout.multi_turn.format", str(error))
+    need(bool(mt.tools) or bool(mt.environment.path), "rollout.multi_turn.tools",
+         "no tool and no environment. Fix: rollout.multi_turn.tools=[{path: tools/calculator.py, name: calculator}]")
+    if mt.environment.path:
+        try:
+            load_environment(mt.environment.path, mt.environment.name)
+        except ToolLoadError as error:
+            need(False, "rollout.multi_turn.environment", str(error))
+    for i, tool in enumerate(mt.tools):
+        try:
+            load_tool(tool.path, tool.name)
+        except ToolLoadError as error:
+            need(False, f"rollout.multi_turn.tools[{i}]", str(error))
+
+
+def partial_can_continue(cfg, need) -> None:
+    """What partial rollouts cannot continue: continuing a response means sending prompt + partial tokens back
+    to the engine as a prompt. vLLM and HF generate take token ids; the multi-turn agent loop's turns (tool
+    calls, observations) cannot be resumed mid-turn, and dynamic sampling / a greedy baseline (ReMax) need
+    every sample of the step from the step's own weights."""
+    if not cfg.rollout.partial.enable:
+        return
+    from rlframe.config.algorithm import run_estimator_needs
+
+    key, algo = "rollout.partial.enable", cfg.algorithm
+    need(not cfg.rollout.multi_turn.enable, key,
+         "the multi-turn agent loop cannot resume a response cut mid-turn (its tool calls and observations are not "
+         "token-in, token-out). Fix: rollout.partial.enable=false, or rollout.multi_turn.enable=false")
+    need(not algo.dynamic_sampling.enable, key,
+         "dynamic sampling regenerates until the groups' rewards differ, from the step's own weights; held-back "
+         "groups would mix in. Fix: rollout.partial.enable=false, or algorithm.dynamic_sampling.enable=false")
+    need(not run_estimator_needs(cfg).greedy_baseline, key,
+         "ReMax's greedy baseline must come from the weights that sampled the whole response. Fix: another "
+         "estimator (grpo, rloo), or rollout.partial.enable=false")
+    need(cfg.data.source != "shapes", key,
+         "responses to image prompts are not continued (the engine would need the pixels and 3-D positions again). "
+         "Fix: rollout.partial.enable=false")
+
+
+def partial_pool_sizes(cfg, need) -> None:
+    """rollout.partial.max_tokens_per_round >= 0 and at least one batch held back beyond the trained one."""
+    partial = cfg.rollout.partial
+    if not partial.enable:
+        return
+    need(partial.max_tokens_per_round >= 0, "rollout.partial.max_tokens_per_round",
+         f"{partial.max_tokens_per_round} must be >= 0 (0: the smallest budget the staleness bound allows)")
+    need(partial.oversample_batches >= 1, "rollout.partial.oversample_batches",
+         f"{partial.oversample_batches}: a step trains one batch of finished groups; at least one more batch must be in "
+         "flight to hold responses back. Fix: rollout.partial.oversample_batches=1")
+
+
+def partial_staleness_bounds(cfg, need) -> None:
+    """At most one generation in flight; the token staleness bound above what fresh tokens already have; a
+    budget with which a full-length response finishes within that bound."""
+    partial, t = cfg.rollout.partial, cfg.trainer
+    if not partial.enable:
+        return
+    key = "rollout.partial.enable"
+    depth = t.max_staleness if t.async_rollout else 0
+    need(depth <= 1, key,
+         f"partial rollouts continue held-back responses in the next generation, so at most one generation may be in "
+         f"flight (trainer.max_staleness={depth} sends {depth}). Fix: trainer.max_staleness=1, or "
+         "rollout.partial.enable=false")
+    need(partial.max_token_staleness >= depth + 1, "rollout.partial.max_token_staleness",
+         f"{partial.max_token_staleness}: fresh tokens are already {depth} version(s) behind when trained "
+         f"(trainer.max_staleness={depth if t.async_rollout else '0, synchronous'}); a held-back token is at least one "
+         f"more. Fix: rollout.partial.max_token_staleness={depth + 1} or more")
+    budget, length, steps = partial_tokens_per_round(cfg), cfg.data.max_response_length, partial_span_steps(cfg)
+    need(budget * steps >= length, "rollout.partial.max_tokens_per_round",
+         f"{budget} tokens per round x {steps} step(s) (the span rollout.partial.max_token_staleness="
+         f"{partial.max_token_staleness} allows) < data.max_response_length={length}: a full-length response would be "
+         f"restarted forever. Fix: rollout.partial.max_tokens_per_round={-(-length // steps)} or more (0 picks it), or "
+         "raise rollout.partial.max_token_staleness")
+
+
+CHECKS = (engine_known, n_positive, tensor_parallel_divides_engine_ranks, tensor_parallel_supported,
+          world_size_fits_placement, weight_bucket_positive, multi_turn_limits, multi_turn_one_rank_per_engine,
+          multi_turn_files_load, partial_can_continue, partial_pool_sizes, partial_staleness_bounds)
+
+
+# ---------------------------------------------------------------------- checks on the model folder
+def partial_policy_is_text_only(cfg, need, model_dir: str | None) -> None:
+    """Partial rollouts of an RL run refuse a vision-language policy (its responses are not continued)."""
+    if not cfg.rollout.partial.enable or cfg.stage != "rl" or model_dir is None:
+        return
+    from rlframe.workers.engine.hf_model import is_vision_language
+
+    need(not is_vision_language(model_dir, cfg.model.trust_remote_code), "rollout.partial.enable",
+         f"{model_dir} is a vision-language model; responses to image prompts are not continued (the engine would "
+         "need the pixels and 3-D positions again). Fix: rollout.partial.enable=false")
+
+
+FOLDER_CHECKS = (partial_policy_is_text_only,)

@@ -1,0 +1,221 @@
+"""The `trainer:` section (steps, checkpoints, placement over nodes, asynchronous rollout, logging) and its checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rlframe.workers.engine.registry import ENGINES
+
+
+@dataclass
+class TimeoutConfig:
+    rollout: float = 1800.0
+    log_prob: float = 1800.0
+    update: float = 3600.0
+    weight_sync: float = 600.0
+    init: float = 900.0
+
+
+@dataclass
+class RuntimeEnvConfig:
+    """What every worker on every node gets (Ray runtime_env): env vars and an uploaded working dir."""
+
+    env_vars: dict[str, str] = field(default_factory=dict)
+    working_dir: Optional[str] = None  # uploaded to every node; its files are importable there
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    # Passes over the training data (verl/EasyR1 total_epochs); set, it replaces total_steps with
+    # total_epochs x (training rows // data.train_batch_size).
+    total_epochs: Optional[int] = None
+    run_dir: Optional[str] = None  # default: runs/<experiment_name>-<timestamp>
+    project_name: str = "rlframe"
+    experiment_name: str = "grpo_math"
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
+    val_before_train: bool = True
+    val_at_end: bool = True
+    # Reorder each batch so every data-parallel rank gets a near-equal number of tokens (a greedy
+    # equal-count partition; the spread is at most one sequence's length) before it is split.
+    balance_batch: bool = True
+    val_every: int = 0  # 0: only before and after training
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    num_cpus: Optional[int] = None  # CPUs given to a local Ray cluster (default: all cores)
+    cpus_per_worker: Optional[float] = None  # default: num_cpus / actor.world_size
+    ray_address: Optional[str] = None
+    # Multi-node placement (rlframe/trainer/launch.py, examples/multinode.md). colocated: actor,
+    # rollout and ref share every device; disaggregated: rollout engines on their own devices (nodes).
+    placement: str = "colocated"  # colocated | disaggregated
+    nnodes: int = 1
+    devices_per_node: Optional[int] = None  # GPUs (or CPU slots of cpus_per_worker) per node; None: legacy one-node pool
+    # Optional node pinning: one custom Ray resource per node (ray start --resources='{"node_a": 1}');
+    # node i's bundles go to the node that has node_resources[i]. Empty: Ray node ids picked by the driver.
+    node_resources: list[str] = field(default_factory=list)
+    runtime_env: RuntimeEnvConfig = field(default_factory=lambda: RuntimeEnvConfig())
+    export_hf: bool = True
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    critic_warmup: int = 0  # PPO: the first N steps train only the critic (the actor is not updated)
+    # Checkpoints (<run_dir>/checkpoints/step_N, see rlframe/trainer/checkpoint.py): every
+    # `save_every` steps and at the last step; 0 = none at all.
+    save_every: int = 0
+    max_checkpoints_to_keep: int = 2  # older complete checkpoints are deleted; 0 = keep all
+    # full: every rank's shard gathered into one HF safetensors file + a full optimizer file (loads in
+    # transformers as it is; needs the whole model in one rank's CPU memory) | sharded: each rank writes
+    # its own shards with torch.distributed.checkpoint (no gather: for models that do not fit one
+    # host); resumes at any world size, `python -m rlframe.export` turns it into an HF folder.
+    checkpoint_format: str = "full"
+    # auto: continue from the newest complete checkpoint in run_dir (a fresh start when there is
+    # none) | disable: always start fresh | a path to one checkpoint folder (step_N).
+    resume: str = "auto"
+    # A dead or stuck worker: tear the worker groups down, start new ones and resume from the
+    # latest checkpoint, at most this many times per run (0 = stop with the error).
+    max_restarts: int = 0
+    # Non-finite loss or gradient norm: the optimiser step is skipped; after this many in a row
+    # the run stops naming the step and micro-batch.
+    max_consecutive_skipped_updates: int = 3
+    # The pre-flight memory plan (rlframe/plan.py, `python -m rlframe.plan`), printed before workers
+    # start: error = refuse a plan that does not fit (naming the role, device and settings that fit) |
+    # warn = print the problem and run | off = no plan.
+    memory_check: str = "error"
+    device_memory_gib: Optional[float] = None  # one device's memory for the plan (default: measured here)
+    # One device's peak TFLOP/s for perf/mfu (default: the datasheet bf16 figure of known GPUs, the
+    # fp32 matmul rate measured at start on CPU).
+    device_peak_tflops: Optional[float] = None
+    # One-step off-policy training (disaggregated placement): the engines generate step k+1's batch while
+    # the trainer updates on step k's; the weights reach the engines between steps. Each sample records
+    # the version of the weights that generated it (policy_version = updates applied); the staleness
+    # (trainer version - sample version, async/staleness_max) never exceeds max_staleness (0: generate
+    # after each sync, as the synchronous loop; 1: one step ahead; k >= 2: k steps ahead, the weights staged in
+    # Ray's object store and loaded by the engines between generations, so the trainer never waits for them to
+    # finish generating). Corrected by algorithm.off_policy_correction.
+    async_rollout: bool = False
+    max_staleness: int = 1
+
+
+PLACEMENTS = ("colocated", "disaggregated")
+CHECKPOINT_FORMATS = ("full", "sharded")
+MEMORY_CHECKS = ("error", "warn", "off")
+DEVICES = ("auto", "cpu", "cuda")
+LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
+
+
+def rollout_world_size(cfg) -> int:
+    return cfg.rollout.world_size or cfg.actor.world_size
+
+
+def devices_needed(cfg) -> int:
+    if cfg.trainer.placement == "disaggregated":
+        return cfg.actor.world_size + rollout_world_size(cfg)
+    return cfg.actor.world_size
+
+
+# ------------------------------------------------------------------------------------ checks
+def checkpoint_format_supported(cfg, need) -> None:
+    """full anywhere; sharded from an engine that writes it (FSDP), for full fine-tuning."""
+    fmt, strategy = cfg.trainer.checkpoint_format, cfg.actor.strategy
+    need(fmt in CHECKPOINT_FORMATS, "trainer.checkpoint_format", f"'{fmt}' is not one of {', '.join(CHECKPOINT_FORMATS)}")
+    writes_sharded = strategy in ENGINES and ENGINES[strategy].sharded_checkpoints
+    need(fmt == "full" or (writes_sharded and cfg.model.lora.rank == 0), "trainer.checkpoint_format",
+         "sharded checkpoints are written by the FSDP engine for full fine-tuning (a LoRA checkpoint holds "
+         "only the small adapters; DeepSpeed gathers a bucket at a time). Fix: trainer.checkpoint_format=full")
+
+
+def memory_check_known(cfg, need) -> None:
+    t = cfg.trainer
+    need(t.memory_check in MEMORY_CHECKS, "trainer.memory_check", f"'{t.memory_check}' is not one of {', '.join(MEMORY_CHECKS)}")
+    need(t.device_memory_gib is None or t.device_memory_gib > 0, "trainer.device_memory_gib",
+         "must be > 0 GiB (or null: measured on this machine)")
+
+
+def length_and_device_known(cfg, need) -> None:
+    """trainer.total_epochs / total_steps >= 1 and trainer.device one of auto, cpu, cuda."""
+    t = cfg.trainer
+    need(t.total_epochs is None or t.total_epochs >= 1, "trainer.total_epochs",
+         "must be >= 1, or null to run trainer.total_steps steps")
+    need(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
+    need(t.device in DEVICES, "trainer.device", "must be auto, cpu or cuda")
+
+
+def checkpoint_schedule_valid(cfg, need) -> None:
+    """save_every, how many checkpoints are kept, where a run resumes from, restarts and skipped updates."""
+    t = cfg.trainer
+    need(t.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = no checkpoints)")
+    need(t.max_checkpoints_to_keep >= 0, "trainer.max_checkpoints_to_keep", "must be >= 0 (0 = keep all)")
+    need(t.resume in ("auto", "disable") or Path(t.resume).is_dir(), "trainer.resume",
+         f"'{t.resume}' is neither auto, disable nor an existing checkpoint folder. "
+         "Fix: trainer.resume=auto or trainer.resume=<run_dir>/checkpoints/step_N")
+    need(t.max_restarts >= 0, "trainer.max_restarts", "must be >= 0")
+    need(t.max_restarts == 0 or t.save_every > 0, "trainer.max_restarts",
+         "restarts resume from a checkpoint. Fix: set trainer.save_every >= 1 too")
+    need(t.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates", "must be >= 1")
+
+
+def critic_warmup_has_a_critic(cfg, need) -> None:
+    from rlframe.config.algorithm import run_estimator_needs
+
+    warmup = cfg.trainer.critic_warmup
+    need(warmup >= 0, "trainer.critic_warmup", "must be >= 0")
+    need(warmup == 0 or run_estimator_needs(cfg).critic, "trainer.critic_warmup",
+         "only PPO with a critic (algorithm.adv_estimator=gae) has a critic to warm up. Fix: trainer.critic_warmup=0")
+
+
+def placement_fits_nodes(cfg, need) -> None:
+    """Placement keys (the cluster itself is checked when the workers start, before any of them does)."""
+    t = cfg.trainer
+    need(t.placement in PLACEMENTS, "trainer.placement", f"'{t.placement}' is not one of {', '.join(PLACEMENTS)}")
+    need(t.nnodes >= 1, "trainer.nnodes", "must be >= 1")
+    need(t.devices_per_node is None or t.devices_per_node >= 1, "trainer.devices_per_node", "must be >= 1")
+    need(t.nnodes == 1 or t.devices_per_node is not None, "trainer.devices_per_node",
+         f"trainer.nnodes={t.nnodes} needs the devices of each node. Fix: trainer.devices_per_node=<GPUs per node>")
+    need(not t.node_resources or len(t.node_resources) == t.nnodes, "trainer.node_resources",
+         f"gives {len(t.node_resources)} resource names for trainer.nnodes={t.nnodes}. Fix: one per node")
+    need(t.cpus_per_worker is None or t.cpus_per_worker > 0, "trainer.cpus_per_worker", "must be > 0")
+    if t.devices_per_node is not None and t.nnodes >= 1 and t.placement in PLACEMENTS:
+        have = t.nnodes * t.devices_per_node
+        need(devices_needed(cfg) <= have, "trainer.devices_per_node",
+             f"{t.placement} placement needs {devices_needed(cfg)} devices "
+             + (f"(actor.world_size={cfg.actor.world_size} + rollout.world_size={rollout_world_size(cfg)})"
+                if t.placement == "disaggregated" else f"(actor.world_size={cfg.actor.world_size})")
+             + f" but trainer.nnodes x trainer.devices_per_node = {have}. Fix: raise one of them or lower the world sizes")
+
+
+def staleness_whole(cfg, need) -> None:
+    staleness = cfg.trainer.max_staleness
+    need(isinstance(staleness, int) and staleness >= 0, "trainer.max_staleness",
+         f"{staleness}: the steps the asynchronous loop generates ahead must be a whole number >= 0 (0: after "
+         "each sync, as the synchronous loop; 1: one step ahead; k: k steps ahead). Fix: trainer.max_staleness=1")
+
+
+def async_rollout_can_run_ahead(cfg, need) -> None:
+    """trainer.async_rollout: engines on devices of their own, and nothing that needs the step's rewards or
+    weights before the next generation starts. (Without a correction the update treats samples of older
+    weights as on-policy, what several peers' async modes do silently: allowed only when asked for by name,
+    algorithm.off_policy_correction=none.)"""
+    t, algo = cfg.trainer, cfg.algorithm
+    if not t.async_rollout:
+        return
+    from rlframe.config.algorithm import run_estimator_needs
+
+    need(t.placement == "disaggregated", "trainer.async_rollout",
+         f"generation overlaps the update only when the engines have devices of their own (trainer.placement="
+         f"{t.placement}: they share the trainer's). Fix: trainer.placement=disaggregated, or trainer.async_rollout=false")
+    need(not algo.dynamic_sampling.enable, "algorithm.dynamic_sampling.enable",
+         "dynamic sampling regenerates until the batch is full, which needs the rewards before the next generation "
+         "starts; it is not pipelined. Fix: algorithm.dynamic_sampling.enable=false, or trainer.async_rollout=false")
+    need(not run_estimator_needs(cfg).greedy_baseline, "algorithm.adv_estimator",
+         "ReMax's greedy baseline must come from the weights that sampled the batch; the asynchronous loop does not "
+         "generate it ahead. Fix: another estimator (grpo, rloo), or trainer.async_rollout=false")
+
+
+def loggers_known(cfg, need) -> None:
+    unknown_loggers = set(cfg.trainer.loggers) - set(LOGGERS)
+    need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
+
+
+CHECKS = (checkpoint_format_supported, memory_check_known, length_and_device_known, checkpoint_schedule_valid,
+          critic_warmup_has_a_critic, placement_fits_nodes, staleness_whole, async_rollout_can_run_ahead,
+          loggers_known)
