@@ -114,6 +114,14 @@ class Calc:
             os.kill(os.getpid(), signal.SIGKILL)
         return torch.distributed.get_rank()
 
+    @register(Dispatch.ALL_TO_ALL)
+    def die_or_lose_peer(self, should_die: bool) -> int:
+        """One rank dies a moment late; the other fails at once as a collective does when its peer is gone."""
+        if should_die:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
@@ -322,6 +330,16 @@ def test_killed_worker_raises_worker_died(ray_session):
             sleeping.result()
         assert time.monotonic() - start < 30
         assert info.value.rank == 0 and f"pid={pid_of_rank0}" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_failure_names_the_rank_that_died(ray_session):
+    """Rank 0's collective fails ("Connection reset by peer") before Ray reports that rank 1 died: the error
+    names the dead rank (WorkerDied, which trainer.max_restarts restarts from), not the survivor."""
+    with temporary_group("peers", 2, {"calc": (Calc, {})}, default_timeout_s=60) as group:
+        with pytest.raises(WorkerDied) as info:
+            group.calc.die_or_lose_peer([False, True])
+        assert info.value.rank == 1 and info.value.method == "die_or_lose_peer"
 
 
 def test_failing_role_constructor(ray_session):

@@ -31,6 +31,14 @@ from rlframe.controller.worker_host import _WorkerHost
 from rlframe.protocol import DataProto
 
 _GROUP_DEFAULT = object()  # sentinel: "use the group's default timeout"
+PEER_DEATH_GRACE_S = 5.0  # how long a rank's failed collective waits for the others to show whether one died
+PEER_FAILURE_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL error")
+
+
+def looks_like_peer_failure(error: WorkerError) -> bool:
+    """A collective that failed because another rank went away (gloo / NCCL), not this rank's own error."""
+    text = str(error)
+    return any(sign in text for sign in PEER_FAILURE_SIGNS)
 
 
 @dataclass
@@ -83,8 +91,28 @@ class Future:
                 raise self._timeout_error(sorted(pending.values()))
             for ref in ready:
                 rank = pending.pop(ref)
-                results[rank] = self._get(ref, rank)
+                try:
+                    results[rank] = self._get(ref, rank)
+                except WorkerDied:
+                    raise
+                except WorkerError as error:
+                    if not (pending and looks_like_peer_failure(error)):
+                        raise
+                    raise self._root_cause(error, pending) from None
         return results
+
+    def _root_cause(self, error: WorkerError, pending: dict) -> WorkerError:
+        """A rank whose peer died fails in its collective ("Connection reset by peer") a moment before Ray
+        reports the death: wait briefly for the other ranks, and name the one that died if one did."""
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+        for ref in ready:
+            try:
+                self._get(ref, pending[ref])
+            except WorkerDied as died:
+                return died
+            except WorkerError:
+                pass
+        return error
 
     def _get(self, ref: ray.ObjectRef, rank: int) -> Any:
         """ray.get one rank's result, turning Ray's errors into WorkerError / WorkerDied."""
