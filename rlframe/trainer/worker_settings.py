@@ -95,11 +95,6 @@ def engine_settings(cfg: RLConfig, role: str, model_path: str) -> EngineSettings
         freeze_vision_tower=actor.freeze_vision_tower and role == "actor")
 
 
-def policy_engine_settings(cfg: RLConfig, model_path: str, *, train: bool) -> EngineSettings:
-    """(Kept for rlframe/stages/dpo.py until it calls engine_settings.)"""
-    return engine_settings(cfg, "actor" if train else "ref", model_path)
-
-
 def actor_update_loop(cfg: RLConfig) -> UpdateLoop:
     """Per rank: a mini-batch is ppo_mini_batch_size prompts x rollout.n samples over world_size ranks."""
     actor = cfg.actor
