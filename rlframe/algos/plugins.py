@@ -136,18 +136,21 @@ def configured_estimator_needs(algorithm: Any) -> EstimatorNeeds:
     """
     name, plugin = algorithm.adv_estimator, algorithm.custom_estimator
     if plugin.path and plugin.name == name:
-        return _needs_in_file(os.path.abspath(os.path.expanduser(plugin.path)), name, _modified(plugin.path))
+        path = os.path.abspath(os.path.expanduser(plugin.path))
+        return _needs_in_file(path, name, _version(path))
     return estimator_needs(name) if name in ADVANTAGE_ESTIMATORS else NO_NEEDS
 
 
-def _modified(path: str) -> int:
+def _version(path: str) -> tuple[int, int]:
+    """The file's (modification time, size): a new version of it is read again."""
     try:
-        return os.stat(os.path.expanduser(path)).st_mtime_ns
+        stat = os.stat(path)
     except OSError:
-        return 0
+        return (0, 0)
+    return (stat.st_mtime_ns, stat.st_size)
 
 
 @lru_cache(maxsize=16)
-def _needs_in_file(path: str, name: str, modified: int) -> EstimatorNeeds:
-    """declared_needs of `name` in the file at `path`, imported once per version of the file (`modified`)."""
+def _needs_in_file(path: str, name: str, version: tuple[int, int]) -> EstimatorNeeds:
+    """declared_needs of `name` in the file at `path`, imported once per `version` of the file."""
     return declared_needs(load_object_from_file(path, name), f"{name!r} in {path}")
