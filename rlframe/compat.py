@@ -245,7 +245,7 @@ REWARD_KWARGS_PREFIXES = ("custom_reward_function.reward_kwargs.", "worker.rewar
 NO_EQUIVALENT: dict[str, str] = {
     "data.video_key": "data.image_key (rlframe's vision-language support takes images, not videos)",
     "actor_rollout_ref.rollout.mode": "rollout.engine (rollouts are synchronous: the agent loop is configured under rollout)",
-    "actor_rollout_ref.rollout.multi_turn.enable": "rollout (see the agent loop settings in rlframe/config.py)",
+    "actor_rollout_ref.rollout.multi_turn.enable": "rollout (see the agent loop settings in rlframe/config/)",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor.optim.warmup_steps (a count of steps)",
     "actor_rollout_ref.actor.optim.warmup_style": "actor.optim.warmup_steps (linear warm-up, then constant)",
     "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor.optim.warmup_steps (linear warm-up, then constant)",
@@ -314,7 +314,7 @@ def _check_known(key: str, keys: dict[str, bool]) -> None:
     suggestions = closest_keys(key, [k for k in keys])
     hint = f" Did you mean {' or '.join(suggestions)}?" if suggestions else ""
     raise CompatError(f"unknown config key '{key}'.{hint} Fix: use one of the schema's keys "
-                      "(all keys and their meaning: rlframe/config.py).")
+                      "(all keys and their meaning: rlframe/config/).")
 
 
 # ------------------------------------------------------------------ translation
@@ -387,7 +387,7 @@ def translate_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             leaf_match = closest_keys(key.split(".", 1)[1] if key.count(".") else key, list(keys))
             hint = f" Closest rlframe keys: {', '.join(leaf_match)}." if leaf_match else ""
             raise CompatError(f"'{key}' (a verl/EasyR1 key) has no translation in rlframe.{hint} "
-                              "(The table: rlframe/compat.py; all rlframe keys: rlframe/config.py.)")
+                              "(The table: rlframe/compat.py; all rlframe keys: rlframe/config/.)")
         if prefix != "~":
             _check_known(key.replace("[", ".").replace("]", ""), keys)
         out.append(arg)

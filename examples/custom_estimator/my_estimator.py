@@ -32,3 +32,8 @@ def median_baseline(token_level_rewards, response_mask, group_index=None, *, con
         baseline[members] = scores[members].median()
     advantages = (scores - baseline)[:, None] * response_mask
     return advantages, advantages
+
+
+# What the driver must provide (rlframe.algos.EstimatorNeeds): groups of rollout.n > 1 samples per prompt,
+# so that a run with rollout.n=1 is refused before any worker starts.
+median_baseline.needs = {"groups": True}

@@ -28,6 +28,7 @@ from rlframe.algos import AdvantageConfig, get_advantage_estimator
 from rlframe.algos.batching import balanced_equal_size_partition
 from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
+from rlframe.config.actor import skips_old_log_prob_pass
 from rlframe.data.dataset import RLDataset
 from rlframe.memory_plan import read_shape
 from rlframe.protocol import DataProto
@@ -78,9 +79,7 @@ class RLTrainer(RunLoop):
         self.scorer = Scorer(cfg, tokenizer, self.clock)
         self.plan_run(cfg.trainer.total_steps)
         self.rollouts = RolloutSource(cfg, self.train_set, self.scorer, self.clock, model_path, self.pad_token_id)
-        self.on_policy_update = (cfg.actor.skip_old_log_prob_when_on_policy and cfg.actor.ppo_epochs == 1
-                                 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
-                                 and not cfg.algorithm.use_kl_in_reward)  # the reward KL needs old log-probs
+        self.on_policy_update = skips_old_log_prob_pass(cfg)  # the old log-probs are the update's first forward
         register_configured_plugins(to_container(cfg)["algorithm"])  # user estimator/loss files, before workers
         self.kl_ctrl = algorithm_steps.make_kl_controller(cfg)
         self.model_shape = read_shape(model_path)  # for perf/mfu (rlframe/trainer/perf.py)

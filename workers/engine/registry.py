@@ -5,7 +5,7 @@
 
 To add an engine: a package `workers/engine/<name>/` with its engine class (a `base.TrainingEngine`)
 and, if it has knobs of its own, a `settings.py` holding one settings dataclass and its `CHECKS`; one
-line below; the section in `rlframe/config.py` (`<name>: <Name>Settings`); a docs page. Importing this
+line below; the section in `rlframe/config/__init__.py` (`<name>: <Name>Settings`); a docs page. Importing this
 module is cheap (no torch, no engine package's heavy dependency), so the config can read it.
 """
 
