@@ -1,7 +1,7 @@
 """HF Llama / Qwen2 / Qwen2-MoE / Mixtral checkpoints <-> Megatron-core GPT parameters (local layer spec), with
 TP (and, for the experts, EP) sharding.
 
-Pure tensor code (no process group): the Megatron engine (`megatron.py`) and its tests use it.
+Pure tensor code (no process group): the Megatron engine (`engine.py` here) and its tests use it.
 
     arch = GPTArch.from_hf(hf_config)                       # ValueError naming an unsupported architecture
     local = hf_to_megatron(hf_state, arch, tp_rank, tp)      # this TP rank's Megatron parameters
