@@ -176,3 +176,17 @@ def test_every_recipe_has_a_case():
     assert {"grpo_math", "sft_math", "dpo_math", "rm_math", "grpo_vlm_shapes", "grpo_math_megatron",
             "grpo_math_deepspeed"} <= set(RECIPES)
     assert shutil.which(sys.executable)
+
+
+def test_every_stage_has_a_driver():
+    """A stage name the config accepts (rlframe/stages/config.py STAGES) has a driver class to run it."""
+    import importlib
+
+    from rlframe.stages.config import STAGES
+    from rlframe.stages.run import DRIVERS
+    from rlframe.trainer.run_loop import RunLoop
+
+    assert set(DRIVERS) == set(STAGES)
+    for stage, where in DRIVERS.items():
+        module, name = where.split(":")
+        assert issubclass(getattr(importlib.import_module(module), name), RunLoop), stage

@@ -1,29 +1,27 @@
-"""The stage a recipe selects (`stage:`) -> its driver; `rlframe.main` calls `make_trainer`."""
+"""The stage a recipe selects (`stage:`) -> its driver; `rlframe.main` calls `make_trainer`.
+
+Adding a stage: its driver (a `RunLoop` subclass) in a module here, one line in DRIVERS, its config section
+(rlframe/stages/config.py, with its name in STAGES) and checks (rlframe/config/stages.py), and a recipe.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from rlframe.config import RLConfig
 
+DRIVERS = {  # stage -> "module:Class", imported only when chosen
+    "rl": "rlframe.trainer.rl_trainer:RLTrainer",
+    "sft": "rlframe.stages.sft:SFTTrainer",
+    "dpo": "rlframe.stages.dpo:DPOTrainer",
+    "rm": "rlframe.stages.reward_model:RewardModelTrainer",
+}
+
 
 def make_trainer(cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
                  run_dir: Path):
-    """RLTrainer for stage=rl; SFTTrainer / DPOTrainer / RewardModelTrainer for the others."""
-    if cfg.stage == "sft":
-        from rlframe.stages.sft import SFTTrainer, write_arithmetic_sft_data
-
-        if cfg.data.source == "arithmetic":  # the project writes the worked solutions of its problems
-            train_files, val_files = write_arithmetic_sft_data(train_files[0], val_files[0], run_dir / "data")
-        return SFTTrainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)
-    if cfg.stage == "dpo":
-        from rlframe.stages.dpo import DPOTrainer
-
-        return DPOTrainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)
-    if cfg.stage == "rm":
-        from rlframe.stages.reward_model import RewardModelTrainer
-
-        return RewardModelTrainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)
-    from rlframe.trainer.rl_trainer import RLTrainer
-
-    return RLTrainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)
+    """The driver of cfg.stage, built on the run's data files."""
+    module, name = DRIVERS[cfg.stage].split(":")
+    driver = getattr(importlib.import_module(module), name)
+    return driver(cfg, model_path, tokenizer, train_files, val_files, run_dir)

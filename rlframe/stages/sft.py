@@ -64,6 +64,8 @@ class SFTTrainer(StageTrainer):
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
                  run_dir: Path):
         super().__init__(cfg, model_path, tokenizer, run_dir)
+        if cfg.data.source == "arithmetic":  # the project writes the worked solutions of its own problems
+            train_files, val_files = write_arithmetic_sft_data(train_files[0], val_files[0], run_dir / "data")
         sft = cfg.sft
         kwargs = dict(prompt_key=cfg.data.prompt_key, response_key=sft.response_key, messages_key=sft.messages_key,
                       max_length=sft.max_length, overlong=cfg.data.overlong, bad_rows=cfg.data.bad_rows)
