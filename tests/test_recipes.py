@@ -42,7 +42,8 @@ SIZES: dict[str, list[str]] = {
     # pairs sampled by the policy, scored by a length reward (the random model never solves a problem)
     "dpo_math": ["pairs.prompts=8", "pairs.n=3", "pairs.min_score_gap=0.01", "dpo.batch_size=2", "dpo.epochs=1",
                  "dpo.max_length=256", LENGTH_REWARD],
-    "rm_math": ["pairs.prompts=12", "pairs.n=3", "pairs.min_score_gap=0.01", "rm.batch_size=2", "rm.epochs=1",
+    # >= 20 pairs: every 10th is held out, so the reward model validates before and after
+    "rm_math": ["pairs.prompts=24", "pairs.n=3", "pairs.min_score_gap=0.01", "rm.batch_size=2", "rm.epochs=1",
                 LENGTH_REWARD],
     # TP=2 on 2 trainer ranks (the tiny model's 2 heads), one rollout engine fed by the weight broadcast
     "grpo_math_megatron": ["actor.world_size=2", "megatron.tensor_model_parallel_size=2"],
