@@ -221,7 +221,8 @@ def run(cfg: RLConfig) -> dict:
         print(f"validation reward: {before['val/reward_mean']:.3f} -> {after['val/reward_mean']:.3f}; "
               f"accuracy: {before['val/accuracy']:.3f} -> {after['val/accuracy']:.3f}")
     if "hf_model" in summary:
-        print(f"trained actor (HF format): {summary['hf_model']}")
+        trained = "reward model" if cfg.stage == "rm" else "actor"
+        print(f"trained {trained} (HF format): {summary['hf_model']}")
     print(f"run directory: {run_dir}")
     return summary
 
