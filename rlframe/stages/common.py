@@ -24,7 +24,6 @@ from rlframe.protocol import DataProto
 from rlframe.trainer.launch import Workers, cluster_request, describe_placement, plan_placement
 from rlframe.trainer.run_loop import RunLoop
 from rlframe.trainer.scorer import Scorer
-from rlframe.trainer.validation import validate_by_generation
 
 
 def start_stage_workers(cfg: RLConfig, roles: dict, main_role: str = "actor_rollout") -> Workers:
@@ -103,10 +102,7 @@ class StageTrainer(RunLoop):
             return {}
         with self.clock.timed("weight_sync"):
             self.actor_rollout.sync_weights(_timeout=self.cfg.trainer.timeouts.weight_sync)
-        metrics, samples = validate_by_generation(self.cfg, self.val_set, self.actor_rollout, self.scorer,
-                                                  self.pad_token_id)
-        self.write_samples("validation", samples)
-        return metrics
+        return self.validate_by_generation()
 
     def driver_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_coef": None}

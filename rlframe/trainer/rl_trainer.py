@@ -37,7 +37,6 @@ from rlframe.trainer.launch import start_workers
 from rlframe.trainer.rollout_source import RolloutSource
 from rlframe.trainer.run_loop import RunLoop
 from rlframe.trainer.scorer import Scorer
-from rlframe.trainer.validation import validate_by_generation
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +147,7 @@ class RLTrainer(RunLoop):
 
     # ------------------------------------------------------------------ validation and driver state
     def validate(self) -> dict[str, float]:
-        metrics, samples = validate_by_generation(self.cfg, self.val_set, self.actor_rollout, self.scorer,
-                                                  self.pad_token_id)
-        self.write_samples("validation", samples)
-        return metrics
+        return self.validate_by_generation()
 
     def has_validation(self) -> bool:
         return bool(self.val_set)

@@ -26,6 +26,7 @@ from rlframe.config import RLConfig, to_container
 from rlframe.trainer import checkpoint, fault
 from rlframe.trainer.phases import PhaseClock
 from rlframe.trainer.tracking import Tracker
+from rlframe.trainer.validation import validate_by_generation
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,14 @@ class RunLoop:
             except Exception as error:
                 logger.warning("could not write the run report: %s: %s", type(error).__name__, error)
         return summary
+
+    def validate_by_generation(self) -> dict[str, float]:
+        """Greedy responses to `self.val_set`, scored by `self.scorer` (trainer/validation.py); the first ones
+        go to validation_samples.jsonl and the tracker."""
+        metrics, samples = validate_by_generation(self.cfg, self.val_set, self.actor_rollout, self.scorer,
+                                                  self.pad_token_id)
+        self.write_samples("validation", samples)
+        return metrics
 
     def write_samples(self, kind: str, samples: list[dict]) -> None:
         """<run_dir>/<kind>_samples.jsonl and the tracker: rows {response, ground_truth, score} of this step."""
