@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 # The extras of the last `make install` are remembered (.venv/.extras): after
 # `make install EXTRAS=gpu,dev,deepspeed,megatron`, a plain `make run` / `make test` keeps the GPU stack.
-EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron,docs)
+EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron,docs,eval)
 ARGS ?= recipe=grpo_math
 BIN := $(VENV)/bin
 comma := ,
