@@ -1,39 +1,54 @@
-"""`python -m rlframe.eval`: score a model on a dataset with reward functions, as validation does.
+"""`python -m rlframe.eval`: score a model on a dataset with reward functions, as validation does, with intervals.
 
     python -m rlframe.eval model=runs/x/hf_model data=~/data/gsm8k/test.parquet reward=reward_fns/gsm8k.py
-    python -m rlframe.eval model=runs/x/checkpoints/step_10 data=... reward=my_reward.py:compute_score n=8 k=1,4,8 temperature=1.0
+    python -m rlframe.eval model=runs/x/hf_model data=... reward=... n=8 k=1,8 temperature=1.0 repeats=3
     python -m rlframe.eval run=runs/x        # the run's own validation: its exported model, data, reward, settings
+    python -m rlframe.eval run=runs/x checkpoints=0,all                  # every checkpoint, one engine: table + curve
+    python -m rlframe.eval run=runs/x method=all n=8 temperature=1.0 constrain=boxed   # inference-time methods
+    python -m rlframe.eval model=runs/x/hf_model harness=my_task harness_include=tasks/   # lm-evaluation-harness
 
 Keys (key=value): model (HF folder, hub id, embedded model name, checkpoint folder or run directory:
 its hf_model/), data (files as data.train_files takes them), reward (path or path:name; several
-comma-separated), n (samples per prompt, default 1), k (pass@k / mean@k for these k, default n),
+comma-separated), n (samples per prompt, default 1), k (pass@k / mean@k / maj@k for these k, default n),
 temperature (0 = greedy, the default; with n > 1 use > 0), top_p, top_k, engine (auto | vllm | hf),
 max_prompt_length, max_response_length, max_samples (the first N prompts; default all), prompt_key,
 answer_key, prompt_template, seed, out (a jsonl of every response with its reward; default
 <run>/eval_samples.jsonl with run=, else none). `run=<run_dir>` takes every default from that run's
 config.yaml, so the result reproduces the run's final validation (same data, prompts, engine, greedy).
+Statistics: repeats (R sampling seeds: seed, seed+1, ...; the spread over them), bootstrap (resamples of the
+95% interval over prompts, default 1000), extractor (path:function(text) -> answer for maj@k; default the
+reward's `pred`, else the last \\boxed{}), table (write the markdown table to this file).
+Inference-time methods (rlframe/evaluation/methods.py): method (comma-separated: plain, cot, self_consistency,
+self_check, constrained, or all; each row next to the plain policy with its gain), cot_instruction,
+check_instruction, constrain (boxed | a regex | regex:<re> | a JSON schema | json:<schema> | file.json).
+checkpoints (with run=: all, step numbers, 0 = the starting model; rlframe/evaluation/checkpoints.py).
+harness (lm-eval task names, comma-separated), harness_include (a folder of task YAMLs), harness_fewshot,
+harness_backend (hf | vllm; rlframe/evaluation/harness.py).
 
 The pieces are the trainer's own: RLDataset + collate_prompts for the prompts, the rollout engine
 built from the same RolloutSettings (rlframe/trainer/worker_settings.py) and called through the
 same generate_sequences, and the trainer's scorer (rlframe/trainer/scorer.py) for rewards and accuracy. It runs in this
-process, without Ray.
+process, without Ray (rlframe/evaluation/core.py).
 
-Metrics: reward_mean, accuracy (mean over all responses = mean@n), and for each k: mean@k (the mean
-accuracy of the first k samples of each prompt) and pass@k (the unbiased estimator of Chen et al.
-2021: 1 - C(n-c, k) / C(n, k), c correct of n samples, averaged over prompts).
+Metrics (rlframe/evaluation/stats.py): reward_mean, accuracy (mean over all responses = mean@n), and for each
+k: mean@k (the mean accuracy of the first k samples of each prompt), pass@k (the unbiased estimator of
+Chen et al. 2021: 1 - C(n-c, k) / C(n, k), c correct of n samples, averaged over prompts) and maj@k (the
+majority answer of the first k samples is right; ties to the answer seen first); each rate with a 95%
+percentile-bootstrap interval over prompts (`<key>_ci_low`, `<key>_ci_high`), and the seeds used.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
-import numpy as np
+from rlframe.evaluation.stats import pass_at_k  # noqa: F401  (the estimator, re-exported)
 
 KEYS = ("model", "data", "reward", "n", "k", "temperature", "top_p", "top_k", "engine", "max_prompt_length",
-        "max_response_length", "max_samples", "prompt_key", "answer_key", "prompt_template", "seed", "out", "run")
+        "max_response_length", "max_samples", "prompt_key", "answer_key", "prompt_template", "seed", "out", "run",
+        "repeats", "bootstrap", "extractor", "table", "method", "cot_instruction", "check_instruction", "constrain",
+        "checkpoints", "harness", "harness_include", "harness_fewshot", "harness_backend")
 
 
 class EvalUsageError(SystemExit):
@@ -41,13 +56,6 @@ class EvalUsageError(SystemExit):
         super().__init__(f"error: {message}\n(usage: python -m rlframe.eval model=<hf folder or checkpoint> "
                          "data=<files> reward=<file[:name]> [n=1 k=1 temperature=0 engine=auto ...]; see "
                          "`python -m rlframe.eval --help`)")
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def parse_args(argv: list[str]) -> dict[str, str]:
@@ -147,72 +155,93 @@ def resolve_model(model: str, work_dir: Path) -> str:
     return resolve_model_path(model)
 
 
-def evaluate(cfg, model_path: str, files: list[str], n: int = 1, ks: list[int] | None = None,
-             out: Path | None = None) -> dict[str, float]:
-    """Generate n responses per prompt and score them; the metrics (see the module docstring)."""
-    import os
+def options_from_args(args: dict[str, str]):
+    """EvalOptions from the command line's keys (n, k, method, repeats, constrain, ...)."""
+    from rlframe.evaluation.constraints import ConstraintError, parse_constraint
+    from rlframe.evaluation.core import EvalOptions
+    from rlframe.evaluation.methods import CHECK_INSTRUCTION, COT_INSTRUCTION, parse_methods
 
-    import torch
-    from transformers import AutoTokenizer
+    def integer(key: str, default: int, low: int = 1) -> int:
+        try:
+            value = int(args.get(key, default))
+        except ValueError:
+            raise EvalUsageError(f"{key}={args[key]}: not an integer") from None
+        if value < low:
+            raise EvalUsageError(f"{key}={value}: must be >= {low}")
+        return value
 
-    from rlframe.data.dataset import RLDataset, collate_prompts
-    from rlframe.trainer.phases import PhaseClock
-    from rlframe.trainer.scorer import Scorer, validation_accuracy
-    from rlframe.trainer.worker_settings import rollout_settings
-    from rlframe.workers.rollout.base import generate_sequences
-    from rlframe.workers.rollout.factory import build_rollout_engine
-
-    data = cfg.data
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    dataset = RLDataset(files, tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                        prompt_template=data.prompt_template, max_prompt_length=data.max_prompt_length,
-                        overlong=data.overlong, bad_rows=data.bad_rows)
-    count = min(len(dataset), data.val_max_samples or len(dataset))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = collate_prompts([dataset[i] for i in range(count)], pad)
-    if n > 1:
-        batch = batch.repeat(n, interleave=True)
-    prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
-    prompts.meta_info["validate"] = True
-    settings = rollout_settings(cfg, model_path)
-    profile = settings.device.profile()
-    if profile.rollout_engine == "vllm" and not torch.distributed.is_initialized():
-        # vLLM in this process (as in the trainer's workers) wants a process group of its own.
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    engine = build_rollout_engine(settings, profile, 0, shares_devices=False)
-    print(f"generating {len(prompts)} responses ({count} prompts x {n}) with {profile.rollout_engine}, "
-          f"temperature {settings.validation.temperature}", flush=True)
-    torch.manual_seed(cfg.trainer.seed)
-    batch = batch.union(generate_sequences(engine, settings, prompts, 0))
-    mask = batch.batch["response_mask"]
-    nt = batch.non_tensor_batch
-    scorer = Scorer(cfg, tokenizer, PhaseClock())  # the trainer's decoding and scoring, its accuracy as validation's
+    n = integer("n", 1)
     try:
-        texts = scorer.decode(batch)
-        result, _, _ = scorer.rule_and_model_scores(batch, texts)
-    finally:
-        scorer.close()
-    accuracy = validation_accuracy(result)
-    correct = np.nan_to_num(accuracy.reshape(count, n)) >= 0.5
-    metrics = {"reward_mean": float(np.mean(result.scores)), "accuracy": float(np.nanmean(accuracy)),
-               "response_length": float(mask.sum(-1).float().mean()), "prompts": float(count), "n": float(n)}
-    for k in ks or [n]:
+        ks = [int(k) for k in args["k"].split(",")] if "k" in args else None
+    except ValueError:
+        raise EvalUsageError(f"k={args['k']}: not a comma-separated list of integers") from None
+    for k in ks or []:
         if not 1 <= k <= n:
-            raise EvalUsageError(f"k={k}: must be in 1..n={n}")
-        metrics[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct.sum(1)]))
-        metrics[f"mean@{k}"] = float(np.mean(np.nan_to_num(accuracy.reshape(count, n))[:, :k]))
+            raise EvalUsageError(f"k={k}: must be in 1..n={n} (pass@k and maj@k choose k of the n samples per "
+                                 "prompt; raise n= or lower k=)")
+    try:
+        methods = parse_methods(args.get("method", "plain"))
+    except ValueError as error:
+        raise EvalUsageError(f"method={args['method']}: {error}") from None
+    constraint = None
+    if "constrain" in args:
+        try:
+            constraint = parse_constraint(args["constrain"])
+        except ConstraintError as error:
+            raise EvalUsageError(f"constrain={args['constrain']}: {error}") from None
+        if "constrained" not in methods:
+            methods.append("constrained")
+    extractor = None
+    if "extractor" in args:
+        from rlframe.reward.loader import split_path_name
+
+        path, name = split_path_name(args["extractor"])
+        if not name:
+            raise EvalUsageError(f"extractor={args['extractor']}: give path:function (a function text -> answer)")
+        extractor = load_function(path, name, "extractor")
+    return EvalOptions(n=n, ks=ks, methods=methods, repeats=integer("repeats", 1), constraint=constraint,
+                       cot_instruction=args.get("cot_instruction", COT_INSTRUCTION),
+                       check_instruction=args.get("check_instruction", CHECK_INSTRUCTION), extractor=extractor,
+                       resamples=integer("bootstrap", 1000, low=10))
+
+
+def load_function(path: str, name: str, key: str):
+    """`name` from the Python file at `path` (a user's file, loaded as a module)."""
+    import importlib.util
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise EvalUsageError(f"{key}={path}:{name}: {file} not found")
+    spec = importlib.util.spec_from_file_location(f"rlframe_eval_{key}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise EvalUsageError(f"{key}={path}:{name}: {file} has no function {name}")
+    return getattr(module, name)
+
+
+def evaluate(cfg, model_path: str, files: list[str], options, out: Path | None = None,
+             table: Path | None = None) -> dict[str, float]:
+    """Every method of `options` on one model: the flat metrics (rlframe/evaluation/tables.py); prints the table."""
+    from rlframe.evaluation.core import Evaluator
+    from rlframe.evaluation.tables import flat_metrics, method_table, write_samples
+
+    evaluator = Evaluator(cfg, model_path, files, options)
+    try:
+        print(f"generating {evaluator.count} prompts x {options.n} with {evaluator.engine_name}, temperature "
+              f"{evaluator.settings.validation.temperature}, methods {', '.join(options.methods)}, "
+              f"{options.repeats} seed(s)", flush=True)
+        results = evaluator.evaluate()
+    finally:
+        evaluator.close()
+    seed = cfg.trainer.seed
+    metrics = flat_metrics(results, evaluator.count, options.n, seed, options.resamples)
+    lines = method_table(results, options.ks, evaluator.count, options.n, seed, options.resamples)
+    print("\n".join(lines), flush=True)
+    if table is not None:
+        table.write_text("\n".join(lines) + "\n")
     if out is not None:
-        with open(out, "w") as f:
-            for i, text in enumerate(texts):
-                f.write(json.dumps({"prompt_index": i // n, "sample": i % n, "response": text,
-                                    "ground_truth": str(nt["ground_truth"][i]), "score": float(result.scores[i]),
-                                    "acc": float(accuracy[i])}) + "\n")
+        write_samples(out, results, options.n)
     return metrics
 
 
@@ -222,15 +251,43 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(__doc__)
         raise SystemExit(0 if argv else 2)
     args = parse_args(argv)
+    if "harness" in args:
+        from rlframe.evaluation.harness import HarnessError, run_harness
+
+        if "model" not in args:
+            raise EvalUsageError("harness=...: model=<HF folder or checkpoint> is required")
+        try:
+            return run_harness(args, resolve_model(args["model"], Path.cwd()))
+        except HarnessError as error:
+            raise EvalUsageError(str(error)) from None
     cfg, model, files, run_dir = build_config(args)
-    n = int(args.get("n", 1))
-    ks = [int(k) for k in args["k"].split(",")] if "k" in args else None
-    if n > 1 and cfg.rollout.val_temperature == 0.0:
+    options = options_from_args(args)
+    if options.n > 1 and cfg.rollout.val_temperature == 0.0:
         print("note: n > 1 with temperature=0 (greedy) repeats one answer; set temperature=1.0 to sample", flush=True)
-    work_dir = run_dir or Path.cwd()
-    model_path = resolve_model(model, work_dir)
-    out = Path(args["out"]) if "out" in args else (run_dir / "eval_samples.jsonl" if run_dir else None)
-    metrics = evaluate(cfg, model_path, files, n=n, ks=ks, out=out)
+    from rlframe.evaluation.checkpoints import CheckpointSpecError, checkpoint_points, evaluate_checkpoints
+    from rlframe.evaluation.constraints import ConstraintError
+    from rlframe.evaluation.core import EvalInputError
+
+    try:
+        if "checkpoints" in args:
+            if run_dir is None:
+                raise EvalUsageError("checkpoints=...: needs run=<run_dir> (the run whose checkpoints to evaluate)")
+            points = checkpoint_points(run_dir, args["checkpoints"], cfg.model.path)
+            rows, paths = evaluate_checkpoints(cfg, run_dir, points, files, options, resolve_model, cfg.trainer.seed)
+            print(paths[1].read_text(), flush=True)
+            print(f"checkpoints: {', '.join(str(p) for p in paths)}", flush=True)
+            metrics = {"checkpoints": [{"step": r["step"], **r["metrics"]} for r in rows]}
+            print("metrics: " + json.dumps(metrics), flush=True)
+            return metrics
+        work_dir = run_dir or Path.cwd()
+        model_path = resolve_model(model, work_dir)
+        out = Path(args["out"]) if "out" in args else (run_dir / "eval_samples.jsonl" if run_dir else None)
+        metrics = evaluate(cfg, model_path, files, options, out=out,
+                           table=Path(args["table"]) if "table" in args else None)
+    except ConstraintError as error:
+        raise EvalUsageError(f"constrain={args.get('constrain')}: {error}") from None
+    except (EvalInputError, CheckpointSpecError) as error:
+        raise EvalUsageError(str(error)) from None
     print("metrics: " + json.dumps(metrics), flush=True)  # one line, for scripts
     if out is not None:
         print(f"responses: {out}")

@@ -2,6 +2,8 @@
 
 val/reward_mean: the rule-based reward functions' score; val/score_mean: the score training uses
 (+ reward_model.weight * RM score + overlong shaping); val/accuracy: see scorer.validation_accuracy.
+val/accuracy_ci_low, _ci_high and val/reward_mean_ci_low, _ci_high: their 95% percentile-bootstrap interval
+over the validation prompts (one response each; rlframe/evaluation/stats.py, seeded with trainer.seed).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 from rlframe.config import RLConfig
 from rlframe.data.dataset import RLDataset, collate_prompts
 from rlframe.data.multimodal import share_multi_modal_fields
+from rlframe.evaluation.stats import bootstrap_interval
 from rlframe.protocol import DataProto
 from rlframe.trainer.scorer import Scorer, overlong_penalties, validation_accuracy
 
@@ -60,4 +63,17 @@ def validate_by_generation(cfg: RLConfig, val_set: RLDataset, actor_rollout, sco
                "timing/validation": time.perf_counter() - start}
     if "reward/rm_score_mean" in reward_metrics:
         metrics["val/rm_score_mean"] = reward_metrics["reward/rm_score_mean"]
+    metrics.update(validation_intervals(accuracy, np.asarray(result.scores, dtype=float), cfg.trainer.seed))
     return metrics, samples
+
+
+def validation_intervals(accuracy: np.ndarray, rewards: np.ndarray, seed: int) -> dict[str, float]:
+    """95% bootstrap intervals of val/accuracy and val/reward_mean over the prompts (one response per prompt).
+
+    Added beside the values, which stay as they were: the accuracy's interval resamples the prompts that
+    val/accuracy averages (those some function scored: NaN rows are left out, as np.nanmean leaves them)."""
+    out = {}
+    accuracy = np.asarray(accuracy, dtype=float)
+    for key, values in (("val/accuracy", accuracy[~np.isnan(accuracy)]), ("val/reward_mean", rewards)):
+        out[key + "_ci_low"], out[key + "_ci_high"] = bootstrap_interval(values, seed=seed)
+    return out
