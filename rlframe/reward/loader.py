@@ -32,6 +32,12 @@ helper modules (``from my_helpers import ...``) as when it is run as a script.
 
 ``RewardFunction`` is picklable: it carries only the path, the function name and the kind, and
 imports the file again, lazily, in whichever process first calls it (the reward worker processes).
+
+Before the driver imports a reward file itself, ``import_problem`` imports it once in a short-lived child
+process with a deadline (``reward.import_timeout_s``): a file whose import ends its process (``os._exit``,
+a signal) or never finishes (``input()``, a network wait, an endless loop) is reported as an error naming
+the file, instead of ending or hanging the driver. ``check_reward_imports(cfg)`` does it for every
+``reward.functions[i]``; ``validate_reward_specs`` (manager.py, hence ``validate_config``) calls it.
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -101,6 +111,121 @@ def _import_file(path: Path) -> ModuleType:
             f"importing reward file {path} failed:\n{traceback.format_exc()}") from exc
     _MODULE_CACHE[key] = module
     return module
+
+
+IMPORT_TIMEOUT_S = 60.0  # reward.import_timeout_s: a reward file's import in the child must finish by then
+_IMPORTED_OK = "imported"
+_IMPORT_RAISED = "raised"
+# The child: import the file as _import_file does (its folder appended to sys.path), then report on fd 3,
+# which only this code writes to (the file may print whatever it likes on stdout / stderr).
+_IMPORT_CHILD = r"""
+import importlib.util, os, sys
+report, path = int(sys.argv[1]), sys.argv[2]
+sys.path.append(os.path.dirname(path))
+spec = importlib.util.spec_from_file_location("rlframe_reward_import_check", path)
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+try:
+    spec.loader.exec_module(module)
+    outcome = b"%s"
+except BaseException:
+    outcome = b"%s"
+os.write(report, outcome)
+os._exit(0)
+""" % (_IMPORTED_OK, _IMPORT_RAISED)
+# (path, mtime_ns, size) of the files whose import already passed in this process
+_IMPORTS_CHECKED: set[tuple[str, int, int]] = set()
+
+
+def _output_tail(file, limit: int = 1500) -> str:
+    file.seek(0, os.SEEK_END)
+    size = file.tell()
+    file.seek(max(0, size - limit))
+    text = file.read().decode("utf-8", errors="replace").strip()
+    return ("..." if size > limit else "") + text
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the child's process group: what its import started (a thread's process, a fork) goes too."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def import_problem(path: str | Path, timeout_s: float = IMPORT_TIMEOUT_S) -> str | None:
+    """Import the reward file ``path`` in a short-lived child process (its own process group, killed
+    afterwards); why that import ended its process or did not finish within ``timeout_s``, or None.
+
+    An import that raises is None here: the driver's own import then reports it with its traceback.
+    A file whose import passed once (same path, size and mtime) is not imported again in this process."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError:
+        return None  # missing: reported by the ordinary import, with the key to fix
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key in _IMPORTS_CHECKED:
+        return None
+    read_end, write_end = os.pipe()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    with tempfile.TemporaryFile() as output:
+        try:
+            # stdin: a pipe nobody writes to, so that an input() at import blocks here as it would in the driver
+            process = subprocess.Popen([sys.executable, "-c", _IMPORT_CHILD, str(write_end), str(path)],
+                                       stdin=subprocess.PIPE, stdout=output, stderr=output, env=env,
+                                       pass_fds=(write_end,), start_new_session=True)
+        except OSError as error:
+            os.close(read_end)
+            os.close(write_end)
+            return f"could not start a process to import it ({error})"
+        os.close(write_end)
+        try:
+            process.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_group(process)
+        process.stdin.close()
+        os.set_blocking(read_end, False)  # (a process the import left behind may hold the write end)
+        try:
+            outcome = os.read(read_end, 64).decode(errors="replace")
+        except BlockingIOError:
+            outcome = ""
+        finally:
+            os.close(read_end)
+        tail = _output_tail(output)
+    said = f"; its output ends:\n{tail}" if tail else ""
+    if timed_out:
+        return (f"importing {path} did not finish within {timeout_s:g} s (reward.import_timeout_s): a blocking "
+                f"call at import time (input(), a network or lock wait, an endless loop?){said}. Fix: do slow "
+                f"work inside the function (or once, on its first call), or raise reward.import_timeout_s")
+    if outcome in (_IMPORTED_OK, _IMPORT_RAISED):
+        if outcome == _IMPORTED_OK:
+            _IMPORTS_CHECKED.add(key)
+        return None
+    how = (f"killed by signal {-process.returncode}" if process.returncode < 0
+           else f"exit code {process.returncode}")
+    return (f"importing {path} ended the importing process ({how}) before the import finished: the file "
+            f"calls os._exit / sys.exit-like code, or crashes, at import time{said}. Fix: a reward file may "
+            f"only define things at import; run work inside the function")
+
+
+def check_reward_imports(cfg, deadline_s: float | None = None) -> list[tuple[str, str]]:
+    """(key, message) for every `reward.functions[i]` whose file's import, in a child process with the
+    deadline (default: cfg.reward.import_timeout_s), ends its process or hangs; [] when all import."""
+    deadline = deadline_s if deadline_s is not None else getattr(cfg.reward, "import_timeout_s", IMPORT_TIMEOUT_S)
+    problems = []
+    for i, fn in enumerate(cfg.reward.functions):
+        path, _ = split_path_name(fn.path, fn.name)
+        problem = import_problem(Path(path).expanduser().resolve(), deadline)
+        if problem is not None:
+            problems.append((f"reward.functions[{i}]", problem))
+    return problems
 
 
 def _defined_functions(module: ModuleType) -> list[str]:

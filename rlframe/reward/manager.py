@@ -20,8 +20,13 @@ which is safe in a driver that already runs threads, e.g. Ray's). Each per-sampl
 deadline. ``num_workers=0`` runs everything in the calling process: simplest to debug, but NO
 timeout can be enforced there.
 
-Failures: a function that raises, hangs, dies, or returns None / NaN / inf / a wrong type gives
-that sample ``fallback_score``; it is counted in ``reward/failures`` (``reward/timeouts`` for the
+Containment (worker_process.py): each worker leads its own process group, SIGKILLed with it, so what a
+reward function forks does not outlive it; what a worker prints reaches the driver's log up to
+``max_output_bytes`` per batch. Before any of that, each reward file is imported once in a short-lived
+child process with a deadline (``import_timeout_s``; loader.import_problem).
+
+Failures: a function that raises, hangs, dies, or returns None / NaN / inf / a wrong type / a number
+beyond float32 (the dtype rewards are trained in) gives that sample ``fallback_score``; it is counted in ``reward/failures`` (``reward/timeouts`` for the
 timeouts), its message is kept in ``RewardResult.failures``, and the first failure of each
 function is logged once in full (input, truncated, and traceback). With ``fail_fast=True`` the
 first failure raises ``RewardError`` with that message instead.
@@ -42,8 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from rlframe.reward.loader import BATCH, SEQUENTIAL, RewardFunction, RewardLoadError, load_reward_function
-from rlframe.reward.worker_process import START_FAILURE_HINT, WorkerProcess, call_reward, format_exception, truncate
+from rlframe.reward.loader import (BATCH, IMPORT_TIMEOUT_S, SEQUENTIAL, RewardFunction, RewardLoadError,
+                                   import_problem, load_reward_function, split_path_name)
+from rlframe.reward.worker_process import (FLOAT32_MAX, MAX_OUTPUT_BYTES, START_FAILURE_HINT, WorkerProcess, call_reward,
+                                           format_exception, truncate)
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +75,22 @@ class RewardSpec:
 
 
 @dataclass
+class FunctionFailures:
+    """One reward function's failures in one batch: rows failed of rows it scored, the first message."""
+
+    label: str
+    failed: int
+    scored: int
+    first_error: str | None = None
+
+
+@dataclass
 class RewardResult:
     scores: np.ndarray                                        # float64 [N]
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # float (NaN) or object (None)
     metrics: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    by_function: list[FunctionFailures] = field(default_factory=list)  # one per spec, in the specs' order
 
 
 # ------------------------------------------------------------------ checking what users return
@@ -89,14 +107,23 @@ class _Task:
 # ------------------------------------------------------------------ the manager
 
 
-def validate_reward_specs(specs: list[RewardSpec]) -> list[RewardFunction]:
+def validate_reward_specs(specs: list[RewardSpec], *, allow_none: bool = False,
+                          import_timeout_s: float = IMPORT_TIMEOUT_S) -> list[RewardFunction]:
     """Load every reward function in this (the driver) process, so that a bad file, a missing
-    function or a bad weight is reported before any worker starts. Returns the loaded handles."""
-    if not specs:
+    function or a bad weight is reported before any worker starts. Returns the loaded handles.
+
+    Each file is first imported in a short-lived child process with the deadline `import_timeout_s`
+    (loader.import_problem): an import that would end or hang this process is a RewardLoadError instead.
+    `allow_none`: no spec at all is fine (an environment gives the whole reward)."""
+    if not specs and not allow_none:
         raise RewardLoadError("no reward function configured: set `reward.functions`, e.g. "
                               "reward.functions=[{path: reward_fns/math.py}]")
     fns = []
     for i, spec in enumerate(specs):
+        problem = import_problem(Path(split_path_name(spec.path, spec.name)[0]).expanduser().resolve(),
+                                 import_timeout_s)
+        if problem is not None:
+            raise RewardLoadError(problem)
         if not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
             raise ValueError(f"reward spec {i} ({spec.path}): weight must be a finite number, "
                              f"got {spec.weight!r}")
@@ -127,15 +154,17 @@ class RewardManager:
 
     def __init__(self, specs: list[RewardSpec], *, num_workers: int = 2, timeout_s: float = 10.0,
                  batch_timeout_s: float = 300.0, fallback_score: float = 0.0,
-                 fail_fast: bool = False, mp_context: str = "spawn"):
+                 fail_fast: bool = False, mp_context: str = "spawn", allow_no_functions: bool = False,
+                 import_timeout_s: float = IMPORT_TIMEOUT_S, max_output_bytes: int = MAX_OUTPUT_BYTES):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (0 = in-process), got {num_workers}")
         if timeout_s <= 0 or batch_timeout_s <= 0:
             raise ValueError("timeout_s and batch_timeout_s must be positive")
         self.specs = list(specs)
-        self.fns = validate_reward_specs(self.specs)
+        self.fns = validate_reward_specs(self.specs, allow_none=allow_no_functions, import_timeout_s=import_timeout_s)
         self.labels = _labels(self.specs)
-        self.num_workers = num_workers
+        self.num_workers = num_workers if self.specs else 0  # nothing to run: no worker processes
+        self.max_output_bytes = int(max_output_bytes)
         self.timeout_s = float(timeout_s)
         self.batch_timeout_s = float(batch_timeout_s)
         self.fallback_score = float(fallback_score)
@@ -149,12 +178,13 @@ class RewardManager:
 
     def _start_workers(self) -> None:
         if self.num_workers > 0 and not self._workers:
-            self._workers = [WorkerProcess(self._ctx, self.fns, i) for i in range(self.num_workers)]
+            self._workers = [WorkerProcess(self._ctx, self.fns, i, self.max_output_bytes)
+                             for i in range(self.num_workers)]
 
     def _replace(self, worker: WorkerProcess) -> None:
         worker.kill()
         i = self._workers.index(worker)
-        self._workers[i] = WorkerProcess(self._ctx, self.fns, i)
+        self._workers[i] = WorkerProcess(self._ctx, self.fns, i, self.max_output_bytes)
 
     def close(self) -> None:
         """Stop the worker processes. The manager restarts them if used again."""
@@ -188,6 +218,9 @@ class RewardManager:
             if len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries for {n} responses")
         data_sources = [str(ds) for ds in data_sources]
+        if not self.specs:  # no rule-based reward (an environment gives it): every score is 0
+            return RewardResult(scores=np.zeros(n), metrics={"reward/score_mean": 0.0, "reward/failures": 0.0,
+                                                             "reward/timeouts": 0.0})
 
         routes = self._route(data_sources)
         tasks = self._make_tasks(routes, responses, ground_truths, data_sources, extra_infos,
@@ -248,6 +281,8 @@ class RewardManager:
     def _run_in_pool(self, tasks: list[_Task]) -> list[tuple[str, Any]]:
         """Feed the tasks to the workers; enforce the per-task and per-batch deadlines."""
         self._start_workers()
+        for worker in self._workers:
+            worker.output.new_batch()  # each worker may print max_output_bytes per batch into our log
         outcomes: list[tuple[str, Any] | None] = [None] * len(tasks)
         pending = deque(range(len(tasks)))
         batch_deadline = time.monotonic() + self.batch_timeout_s
@@ -360,6 +395,7 @@ class RewardManager:
         failures: list[str] = []
         num_timeouts = 0
         failed_rows: dict[int, set[int]] = {k: set() for k in range(num_specs)}
+        first_error: dict[int, str] = {}
 
         def fail(k: int, row: int, message: str, kind: str) -> None:
             nonlocal num_timeouts
@@ -372,6 +408,7 @@ class RewardManager:
                     f"{truncate(repr(ground_truths[row]), 100)}, response="
                     f"{truncate(repr(responses[row]))}): {message}")
             failures.append(full)
+            first_error.setdefault(k, full)
             if self.fail_fast:
                 raise RewardError(full)
             if label not in self._logged_first_failure:
@@ -404,6 +441,16 @@ class RewardManager:
         scores = np.zeros(n, dtype=np.float64)
         for k, rows in enumerate(routes):
             scores[rows] += self.specs[k].weight * per_spec[k, rows]
+        overflow = np.flatnonzero(np.abs(scores) > FLOAT32_MAX)  # rewards are trained in float32
+        for row in overflow:
+            message = (f"the weighted sum of the reward functions' scores on row {row} is {scores[row]:g}, "
+                       f"beyond float32 (the dtype rewards are trained in): it gets fallback_score="
+                       f"{self.fallback_score}")
+            failures.append(message)
+            if self.fail_fast:
+                raise RewardError(message)
+            logger.warning(message)
+            scores[row] = self.fallback_score
 
         prefix = num_specs > 1
         extras: dict[str, np.ndarray] = {}
@@ -422,6 +469,8 @@ class RewardManager:
                     extras[name(key)] = column
 
         num_failures = len(failures)
+        by_function = [FunctionFailures(label, len(failed_rows[k]), len(routes[k]), first_error.get(k))
+                       for k, label in enumerate(self.labels)]
         metrics = {"reward/score_mean": float(scores.mean()) if n else 0.0,
                    "reward/failures": float(num_failures),
                    "reward/timeouts": float(num_timeouts)}
@@ -435,4 +484,4 @@ class RewardManager:
             logger.warning("reward: %d of %d scores failed (%d timeouts) and got fallback_score=%s",
                            num_failures, sum(len(r) for r in routes), num_timeouts,
                            self.fallback_score)
-        return RewardResult(scores=scores, extras=extras, metrics=metrics, failures=failures)
+        return RewardResult(scores=scores, extras=extras, metrics=metrics, failures=failures, by_function=by_function)

@@ -1,7 +1,14 @@
 """Calling a user reward function (its output checked) and the worker processes that run it, killable on a timeout.
 
 `RewardManager` (manager.py) starts `WorkerProcess`es, sends them (function index, payload) tasks over a pipe
-and reads (status, value) answers; a worker's stderr is teed so that a crash's last lines reach the error.
+and reads (status, value) answers.
+
+Containment: a worker leads a process group of its own, and whatever a reward function forks stays in it:
+the group is SIGKILLed when the worker stops, is replaced (a timeout) or loses the driver, so nothing a
+reward starts outlives the run. A worker's stdout and stderr both go through a pipe: the driver passes on
+at most `max_output_bytes` of it per worker per batch (then one line saying the rest is dropped) and keeps
+the last bytes, so that a crash's last lines reach the error and a reward that prints megabytes cannot
+flood the driver's log. A score must be finite in float32, the dtype rewards are trained in (1e39 is not).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import numpy as np
 from rlframe.reward.loader import BATCH, SEQUENTIAL, RewardFunction
 
 MAX_INPUT_CHARS_IN_MESSAGES = 300
+MAX_OUTPUT_BYTES = 64 << 10  # a worker's stdout + stderr passed on to the driver's log per batch
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def truncate(text: str, limit: int = MAX_INPUT_CHARS_IN_MESSAGES) -> str:
@@ -38,6 +47,9 @@ def _as_score(value: Any, what: str) -> float:
         score = float(value)
         if not math.isfinite(score):
             raise _BadOutput(f"{what} is {score}, not a finite number")
+        if abs(score) > FLOAT32_MAX:
+            raise _BadOutput(f"{what} is {score:g}, beyond float32 (the dtype rewards are trained in, where it "
+                             f"would be {'-' if score < 0 else ''}inf)")
         return score
     raise _BadOutput(f"{what} must be a finite number, got {type(value).__name__}: "
                      f"{truncate(repr(value), 100)}")
@@ -108,6 +120,7 @@ def _worker_main(conn, fns: list[RewardFunction]) -> None:
     """Loop of a reward worker process: receive (task_id, fn_index, payload), send back
     (task_id, ok, result_or_message)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's business
+    os.setpgid(0, 0)  # a process group of our own: what the reward functions fork joins it
     try:
         for fn in fns:
             fn.load()
@@ -119,9 +132,9 @@ def _worker_main(conn, fns: list[RewardFunction]) -> None:
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            return  # the driver went away
+            _end_group()  # the driver went away
         if message is None:
-            return
+            _end_group()
         task_id, fn_index, payload = message
         try:
             reply = (task_id, True, call_reward(fns[fn_index], payload))
@@ -133,54 +146,86 @@ def _worker_main(conn, fns: list[RewardFunction]) -> None:
             conn.send((task_id, False, f"could not send the result back:\n{traceback.format_exc()}"))
 
 
-class _StderrTail:
-    """The last bytes a worker process wrote to stderr (it is also passed on to ours)."""
+def _end_group() -> None:
+    """The worker's last act: SIGKILL its process group, itself and whatever its reward functions forked."""
+    try:
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
-    LIMIT = 8192
 
-    def __init__(self):
+class _Output:
+    """What a worker process writes to stdout and stderr: passed on to the driver's stderr up to `limit`
+    bytes per batch (`new_batch`), then dropped with one notice; the last bytes are kept for errors."""
+
+    TAIL = 8192
+
+    def __init__(self, name: str, limit: int):
+        self.name, self.limit = name, limit
         self.data = bytearray()
         self.done = threading.Event()
+        self.passed = 0  # bytes passed on in this batch
+        self.dropped = 0
+
+    def new_batch(self) -> None:
+        self.passed = 0
+
+    def take(self, chunk: bytes) -> None:
+        room = self.limit - self.passed
+        shown = chunk[:max(room, 0)]
+        if shown:
+            _write_stderr(shown)
+        if len(chunk) > room and room >= 0:
+            _write_stderr(f"\n[{self.name}: printed more than {self.limit} bytes in this batch; the rest of its "
+                          f"output in this batch is dropped (reward.max_output_bytes)]\n".encode())
+        self.passed += len(chunk)
+        self.dropped += len(chunk) - len(shown)
+        self.data += chunk
+        del self.data[:-self.TAIL]
 
     def text(self) -> str:
         self.done.wait(timeout=2)  # let the pump read what the dead process left in the pipe
         return self.data.decode("utf-8", errors="replace").strip()
 
 
-def _start_with_stderr_tee(process) -> _StderrTail:
-    """Start `process` with its stderr through a pipe: copied to our stderr, the tail kept for errors."""
-    tail = _StderrTail()
+def _write_stderr(data: bytes) -> None:
     try:
+        os.write(2, data)
+    except OSError:
+        pass
+
+
+def _start_with_output_pipe(process, output: _Output) -> None:
+    """Start `process` with its stdout and stderr through one pipe, read by a pump thread into `output`."""
+    try:
+        sys.stdout.flush()
         sys.stderr.flush()
         read_end, write_end = os.pipe()
-        saved = os.dup(2)
+        saved = (os.dup(1), os.dup(2))
     except (OSError, ValueError):
         process.start()
-        tail.done.set()
-        return tail
+        output.done.set()
+        return
     try:
-        os.dup2(write_end, 2)  # the child inherits fd 2 at spawn
+        os.dup2(write_end, 1)  # the child inherits fds 1 and 2 at spawn
+        os.dup2(write_end, 2)
         process.start()
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
         os.close(write_end)
 
     def pump() -> None:
         try:
-            while chunk := os.read(read_end, 4096):
-                try:
-                    os.write(2, chunk)
-                except OSError:
-                    pass
-                tail.data += chunk
-                del tail.data[:-_StderrTail.LIMIT]
+            while chunk := os.read(read_end, 65536):
+                output.take(chunk)
         finally:
             os.close(read_end)
-            tail.done.set()
+            output.done.set()
 
-    threading.Thread(target=pump, name="rlframe-reward-stderr", daemon=True).start()
-    return tail
+    threading.Thread(target=pump, name="rlframe-reward-output", daemon=True).start()
 
 
 class _spawnable_main:
@@ -210,19 +255,33 @@ START_FAILURE_HINT = (
 
 
 class WorkerProcess:
-    def __init__(self, ctx, fns: list[RewardFunction], index: int):
+    def __init__(self, ctx, fns: list[RewardFunction], index: int, max_output_bytes: int = MAX_OUTPUT_BYTES):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_worker_main, args=(child_conn, fns), daemon=True,
                                    name=f"rlframe-reward-worker-{index}")
+        self.output = _Output(f"reward worker {index}", max_output_bytes)
         with _spawnable_main():
-            self.stderr = _start_with_stderr_tee(self.process)
+            _start_with_output_pipe(self.process, self.output)
         child_conn.close()  # so that the worker's death reads as EOF here
         self.started_at = time.monotonic()
         self.ready = False
         self.task: int | None = None  # index of the task in flight
         self.deadline = math.inf
 
+    @property
+    def stderr(self) -> _Output:  # (its stdout and stderr together)
+        return self.output
+
+    def kill_group(self) -> None:
+        """SIGKILL the worker's process group: what its reward functions forked (the worker too)."""
+        if self.process.pid is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def kill(self) -> None:
+        self.kill_group()
         try:
             self.process.kill()
             self.process.join(timeout=5)
@@ -236,6 +295,7 @@ class WorkerProcess:
         except Exception:
             pass
         self.process.join(timeout=2)
+        self.kill_group()  # what it forked, had it not ended its group itself
         if self.process.is_alive():
             self.kill()
         else:

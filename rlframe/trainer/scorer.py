@@ -8,6 +8,12 @@ A response's score = the rule-based reward functions' (reward.functions, through
 pool) + reward_model.weight * the reward model's + a multi-turn environment's rewards; it is placed on the
 response's last trained token (`last_trained_token`: multi-turn masks have holes where tool tokens sit), or
 turn by turn (rollout.multi_turn.turn_rewards=per_turn). DAPO's overlong shaping adds its penalty there too.
+With no reward function (`reward.functions=[]`: an environment or a reward model gives the reward) the
+rule-based part is 0 and an environment's reward stands in for it (also in val/accuracy: reward >= 1).
+
+A reward function that fails on more than reward.max_failure_rate of its samples in each of
+reward.max_failure_steps training batches in a row stops the run (`FailureWatch`): training on fallback
+scores teaches nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 from rlframe.algos import overlong_penalty
 from rlframe.config import RLConfig
 from rlframe.protocol import DataProto
-from rlframe.reward.manager import RewardManager, RewardResult, RewardSpec
+from rlframe.reward.manager import FunctionFailures, RewardError, RewardManager, RewardResult, RewardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,36 @@ def reward_manager(cfg: RLConfig) -> RewardManager:
         [RewardSpec(path=f.path, name=f.name, weight=f.weight, data_sources=f.data_sources, kwargs=dict(f.kwargs),
                     reward_type=f.reward_type) for f in cfg.reward.functions],
         num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, batch_timeout_s=cfg.reward.batch_timeout_s,
-        fallback_score=cfg.reward.fallback_score, fail_fast=cfg.reward.fail_fast)
+        fallback_score=cfg.reward.fallback_score, fail_fast=cfg.reward.fail_fast, allow_no_functions=True,
+        import_timeout_s=cfg.reward.import_timeout_s, max_output_bytes=cfg.reward.max_output_bytes)
+
+
+class FailureWatch:
+    """Stops a run whose reward function fails on nearly every sample: more than `max_rate` of the samples
+    it scored failed, in each of `steps` training batches in a row (`max_rate` 1.0: never)."""
+
+    def __init__(self, max_rate: float, steps: int):
+        self.max_rate, self.steps = max_rate, steps
+        self.streaks: dict[str, int] = {}
+        self.first_errors: dict[str, str] = {}
+
+    def observe(self, by_function: list[FunctionFailures]) -> None:
+        """One training batch's failures per function; RewardError when a function's streak is complete."""
+        for f in by_function:
+            failing = f.scored > 0 and f.failed / f.scored > self.max_rate
+            self.streaks[f.label] = self.streaks.get(f.label, 0) + 1 if failing else 0
+            if failing:
+                self.first_errors.setdefault(f.label, f.first_error or "")
+            else:
+                self.first_errors.pop(f.label, None)
+            if self.streaks[f.label] >= self.steps:
+                raise RewardError(
+                    f"reward function {f.label} failed on {f.failed} of {f.scored} samples in the last batch, and on "
+                    f"more than {self.max_rate:.0%} of its samples in each of the last {self.steps} training "
+                    f"batches (reward.max_failure_rate={self.max_rate:g}, reward.max_failure_steps={self.steps}): "
+                    f"training on fallback scores teaches nothing, so the run stops. Its first failure:\n"
+                    f"{self.first_errors[f.label]}\nFix the function (reward.num_workers=0 runs it in the "
+                    f"driver, for a debugger), or set reward.max_failure_rate=1 to train on regardless")
 
 
 _LOGGED: set[str] = set()
@@ -162,6 +197,7 @@ class Scorer:
     def __init__(self, cfg: RLConfig, tokenizer, clock):
         self.cfg, self.tokenizer, self.clock = cfg, tokenizer, clock
         self.rewards = reward_manager(cfg)
+        self.failure_watch = FailureWatch(cfg.reward.max_failure_rate, cfg.reward.max_failure_steps)
         self.reward_model = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlframe-reward")
 
@@ -179,7 +215,10 @@ class Scorer:
                                     response_lengths=batch.batch["response_mask"].sum(-1).long().tolist())
         scores = result.scores
         if "agent_env_reward" in nt:  # a multi-turn environment's rewards (summed over the turns)
-            scores = scores + np.asarray(nt["agent_env_reward"], dtype=float)
+            env_reward = np.asarray(nt["agent_env_reward"], dtype=float)
+            if not self.rewards.specs:  # the environment gives the whole rule-based reward
+                result.scores = env_reward
+            scores = scores + env_reward
         metrics = dict(result.metrics)
         if self.reward_model is not None:  # model-based reward on top of the rule-based ones
             rm_input = DataProto.from_dict(non_tensors={"raw_prompt": list(nt["raw_prompt"]), "responses_text": texts})
@@ -190,6 +229,11 @@ class Scorer:
 
     def score(self, batch: DataProto, texts: list[str] | None = None) -> tuple[DataProto, dict[str, float]]:
         """token_level_scores: the score (rule-based + RM) on each response's last trained token (or per turn)."""
+        scored, metrics, _ = self.score_with_result(batch, texts)
+        return scored, metrics
+
+    def score_with_result(self, batch: DataProto, texts: list[str] | None = None):
+        """`score`, and the reward functions' RewardResult."""
         texts = self.decode(batch) if texts is None else texts
         result, scores, metrics = self.rule_and_model_scores(batch, texts)
         batch.batch["token_level_scores"] = place_scores_on_last_token(scores, batch.batch["response_mask"])
@@ -202,11 +246,12 @@ class Scorer:
         accuracy = reported_accuracy(result)
         if accuracy is not None:
             metrics["critic/accuracy"] = float(np.nanmean(accuracy))
-        return batch, metrics
+        return batch, metrics, result
 
     def score_shaped(self, batch: DataProto, texts: list[str] | None = None) -> tuple[DataProto, dict[str, float]]:
-        """`score`, then the overlong shaping: the reward training uses."""
-        scored, metrics = self.score(batch, texts)
+        """`score`, then the overlong shaping: the reward training uses (its failures watched: FailureWatch)."""
+        scored, metrics, result = self.score_with_result(batch, texts)
+        self.failure_watch.observe(result.by_function)
         metrics.update(shape_overlong(scored, self.cfg))
         return scored, metrics
 
