@@ -246,3 +246,50 @@ def test_sandboxes_die_with_their_parent(tmp_path):
     while time.monotonic() < deadline and survivors():
         time.sleep(0.1)
     assert survivors() == []
+
+
+def test_host_files_are_not_there(sandbox):
+    """The root is built from an allow-list (interpreter, standard library, /dev/null): a "solution" cannot
+    look its answer up in a host file (training data, /etc/passwd, this repository), and through the code
+    reward such a lookup scores 0, not 1."""
+    import importlib.util
+    import json
+
+    host_files = ["/etc/passwd", os.path.abspath(__file__)]
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "gsm8k", "train.jsonl")
+    host_files += [os.path.realpath(shared)] if os.path.exists(shared) else []
+    for path in host_files:
+        assert os.access(path, os.R_OK)
+        result = run(sandbox, f"print(open({path!r}).readline())")
+        assert result.verdict == "failed" and "No such file" in result.stderr, (path, result.stdout[:200])
+    if sandbox.isolation["mountns"]:
+        listing = run(sandbox, "import os; print(sorted(os.listdir('/')))")
+        assert set(eval(listing.stdout)) <= {"dev", "lib", "lib64", "usr", "proc", "tmp", "root", "opt", "home"}
+        assert run(sandbox, "import hashlib, json, decimal, sqlite3; print(json.dumps([1]))",
+                   expected_stdout="[1]").passed  # the standard library still works, extension modules too
+    spec = importlib.util.spec_from_file_location("code_reward", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "reward_fns", "code.py"))
+    code_reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_reward)
+    first_line = open(__file__).readline()
+    solution = f"```python\nprint(open({os.path.abspath(__file__)!r}).readline(), end='')\n```"
+    out = code_reward.compute_score("code", solution, json.dumps({"inputs": ["\n"], "outputs": [first_line]}))
+    assert out["score"] == 0.0 and out["verdict"] == "failed"
+
+
+def test_no_nested_user_namespaces(sandbox, hooked):
+    """A program cannot make a user namespace of its own (where it would be root): unshare, clone refused."""
+    code = """
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(libc.unshare(0x10000000), ctypes.get_errno() == 1)
+        print(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0) if os.uname().machine == "x86_64" else -1)
+        """
+    for box in (sandbox, hooked):
+        if box.isolation.get("no_userns", True) is False:  # an architecture whose system calls we do not know
+            continue
+        result = run(box, code)
+        if box is hooked:  # the audit hook refuses ctypes outright
+            assert result.verdict == "failed" and "ctypes" in result.stderr
+            continue
+        assert result.stdout.split() == ["-1", "True", "-1"], (result.stdout, result.stderr)

@@ -67,7 +67,11 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_MOUNT_FLAG_NAMES = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+MNT_DETACH = 2
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+_PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+# machine: (AUDIT_ARCH, unshare, clone, clone3, setns) system-call numbers
+_USERNS_SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435, 308), "aarch64": (0xC00000B7, 97, 220, 435, 268)}
 
 # The program is run by this bootstrap (``python -I -S -c BOOTSTRAP``), which installs the audit
 # hook first when that fallback is active. %(hook)s is replaced by the hook or by nothing.
@@ -120,48 +124,93 @@ def _mount(source, target, fstype, flags, data=None) -> None:
         raise OSError(err, f"mount({source}, {target}, {fstype}, {flags:#x}): {os.strerror(err)}")
 
 
-def _mount_points() -> list[tuple[str, int]]:
-    """(mount point, flags to keep when re-mounting) of every mount, parents first."""
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")
-            keep = 0
-            for option in fields[5].split(","):
-                keep |= _MOUNT_FLAG_NAMES.get(option, 0)
-            points.append((point, keep))
-    return points
+def _pivot_root(new_root: str) -> None:
+    """Make `new_root` (a mount point) the root of this mount namespace and detach the old root; where the
+    pivot_root system call's number is not known, chroot (the program has no capability to leave it)."""
+    ctypes, libc = _libc()
+    os.chdir(new_root)
+    number = _PIVOT_ROOT_SYSCALL.get(os.uname().machine)
+    if number is not None and libc.syscall(ctypes.c_long(number), b".", b".") == 0:
+        if libc.umount2(b".", ctypes.c_int(MNT_DETACH)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"umount2(old root): {os.strerror(err)}")
+    else:
+        os.chroot(".")
+    os.chdir("/")
 
 
-def _setup_mounts(workdir: str, prefixes: list[str]) -> None:
-    """A private mount tree: everything read-only, /tmp/work = the working directory (writable),
-    /root and /home hidden (the interpreter's prefix bound back in)."""
+def _bind_read_only(fd: int, target: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
+    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
+    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+
+
+def _setup_root(workdir: str, allowed: list[list], hidden: list[str]) -> None:
+    """A root of our own, built from the allow-list: an empty tmpfs holding only `allowed` ((path, kind)
+    pairs: "dir", "file" or "device"; bound read-only at their own paths), `hidden` (empty, read-only
+    tmpfs over those paths, e.g. the standard library's site-packages), /proc (mounted by the program's
+    launcher in its pid namespace) and /tmp/work = the working directory, the one writable place.
+    Nothing else of the host is reachable: no /etc, no /home, no training data."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     work_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
-    prefix_fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in prefixes}
-    for point, keep in _mount_points():
-        try:
-            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
-        except OSError:
-            pass  # e.g. a mount shadowed by a later one; the uid drop still guards it
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    os.mkdir(WORKDIR_IN_SANDBOX, 0o755)
-    _mount(f"/proc/self/fd/{work_fd}", WORKDIR_IN_SANDBOX, None, MS_BIND)
-    _mount(None, WORKDIR_IN_SANDBOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)  # rw
-    _mount(None, "/tmp", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    for hidden in ("/root", "/home"):
-        if not os.path.isdir(hidden) or os.path.islink(hidden):
-            continue
-        _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-        for prefix, fd in prefix_fds.items():
-            if (prefix + "/").startswith(hidden + "/"):
-                os.makedirs(prefix, 0o755, exist_ok=True)
-                _mount(f"/proc/self/fd/{fd}", prefix, None, MS_BIND | MS_REC)
-                _mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-        _mount(None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    for fd in [work_fd, *prefix_fds.values()]:
+    sources = [(path, kind, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path, kind in allowed]
+    new_root = "/tmp"  # (in this private mount namespace; every source is held open above)
+    _mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path, kind, fd in sorted(sources):
+        target = new_root + path
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if kind == "dir":
+            os.makedirs(target, 0o755, exist_ok=True)
+        elif not os.path.exists(target):
+            open(target, "w").close()
+        _bind_read_only(fd, target, MS_NOSUID if kind == "device" else MS_NOSUID | MS_NODEV)
         os.close(fd)
+    for path in hidden:
+        if os.path.isdir(new_root + path):
+            _mount("tmpfs", new_root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=755")
+    os.makedirs(new_root + "/proc", 0o555)
+    os.makedirs(new_root + WORKDIR_IN_SANDBOX, 0o755)
+    _mount(f"/proc/self/fd/{work_fd}", new_root + WORKDIR_IN_SANDBOX, None, MS_BIND)
+    _mount(None, new_root + WORKDIR_IN_SANDBOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)  # rw
+    os.close(work_fd)
+    _pivot_root(new_root)
+    _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _refuse_new_user_namespaces() -> bool:
+    """A seccomp filter: unshare / clone asking for CLONE_NEWUSER and setns fail with EPERM, clone3 (whose
+    flags a filter cannot read) with ENOSYS, so that libc falls back to clone. False where the
+    architecture's system-call numbers are not known here (then the layer is reported inactive)."""
+    numbers = _USERNS_SYSCALLS.get(os.uname().machine)
+    if numbers is None:
+        return False
+    arch, unshare, clone, clone3, setns = numbers
+    ld_abs, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    program = [  # (code, jt, jf, k); seccomp_data: nr at 0, arch at 4, args[0] (low half) at 16
+        (ld_abs, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, eperm),  # another ABI (i386 on x86_64): refused
+        (ld_abs, 0, 0, 0),
+        (jset, 0, 1, 0x40000000), (ret, 0, 0, eperm),  # x32 system calls: refused
+        (jeq, 0, 1, clone3), (ret, 0, 0, enosys),
+        (jeq, 0, 1, setns), (ret, 0, 0, eperm),
+        (jeq, 1, 0, unshare), (jeq, 0, 3, clone),
+        (ld_abs, 0, 0, 16), (jset, 0, 1, CLONE_NEWUSER), (ret, 0, 0, eperm),
+        (ret, 0, 0, allow),
+    ]
+    ctypes, libc = _libc()
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(program))(*[Filter(*f) for f in program])
+    fprog = Program(len(program), filters)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+    return True
 
 
 def _set_limits(cfg: dict) -> None:
@@ -194,6 +243,8 @@ def _become_program(cfg: dict, workdir: str, new_pid_namespace: bool) -> None:
         os.setgid(cfg["gid"])
         os.setuid(cfg["uid"])
     _die_with_parent()  # again: setuid cleared it
+    if cfg["no_userns"]:
+        _refuse_new_user_namespaces()
     os.chdir(workdir)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"}
     bootstrap = _BOOTSTRAP % {"hook": _AUDIT_HOOK if cfg["audit_hook"] else "",
@@ -217,7 +268,7 @@ def _launch(cfg: dict) -> None:
         if cfg["netns"] and cfg["mountns"]:
             if not _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID):
                 raise OSError("unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID) failed")
-            _setup_mounts(cfg["host_workdir"], cfg["hidden_prefixes"])
+            _setup_root(cfg["host_workdir"], cfg["allowed"], cfg["hidden"])
             pid = os.fork()
             if pid == 0:
                 try:
@@ -247,7 +298,8 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == LAUNCH_FLAG:
 
 # ====================================================================== the parent side
 
-import math  # noqa: E402 -- below the launcher so that the launcher path stays minimal
+import functools  # noqa: E402 -- below the launcher so that the launcher path stays minimal
+import math  # noqa: E402
 import selectors  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -317,6 +369,53 @@ def _probe(flags: int) -> bool:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
+
+
+def _shared_libraries(files: list[str]) -> set[str]:
+    """The shared libraries `files` (the interpreter, its extension modules) load, as ldd names them
+    (the paths the dynamic loader opens, its own included); empty when ldd is missing."""
+    ldd = shutil.which("ldd")
+    if ldd is None or not files:
+        return set()
+    try:
+        out = subprocess.run([ldd, *files], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    libraries = set()
+    for line in out.splitlines():
+        words = line.split()
+        path = words[2] if len(words) >= 3 and words[1] == "=>" else words[0] if words else ""
+        if path.startswith("/") and os.path.isfile(path):
+            libraries.add(path)
+    return libraries
+
+
+@functools.lru_cache(maxsize=None)
+def allow_list(python: str) -> tuple[list[list[str]], list[str]]:
+    """What the sandbox's root holds: ([path, kind] pairs bound read-only, paths hidden under them).
+
+    The interpreter, its standard library (its site-packages hidden: programs run with -S anyway), the
+    shared libraries the interpreter and the standard library's extension modules load (by ldd; without
+    ldd, the system library folders), and /dev/null, /dev/zero, /dev/urandom."""
+    import sysconfig
+
+    stdlib = os.path.realpath(os.path.dirname(os.__file__))
+    dynload = [d for d in {os.path.join(stdlib, "lib-dynload"), sysconfig.get_config_var("DESTSHARED") or ""}
+               if d and os.path.isdir(d)]
+    extensions = [os.path.join(d, f) for d in dynload for f in sorted(os.listdir(d)) if f.endswith(".so")]
+    allowed = {python: "file", stdlib: "dir", **{d: "dir" for d in dynload if not d.startswith(stdlib + "/")}}
+    libraries = _shared_libraries([python, *extensions])
+    if libraries:
+        allowed.update({path: "file" for path in libraries})
+    else:
+        allowed.update({d: "dir" for d in ("/lib", "/lib64", "/usr/lib", "/usr/lib64") if os.path.isdir(d)})
+    allowed.update({d: "device" for d in DEVICES if os.path.exists(d)})
+    hidden = [os.path.join(stdlib, name) for name in ("site-packages", "dist-packages")
+              if os.path.isdir(os.path.join(stdlib, name))]
+    return sorted([path, kind] for path, kind in allowed.items()), hidden
 
 
 def _processes_of_uid(uid: int) -> list[int]:
@@ -392,8 +491,8 @@ class Sandbox:
                 self._userns = self._netns = _probe(CLONE_NEWUSER | CLONE_NEWNET)
         self._mountns = self._netns and self._drop_uid
         self._audit_hook = not self._netns
-        # Interpreter directories a hidden /root or /home must expose again (read-only).
-        self._prefixes = sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
+        self._allowed, self._hidden = allow_list(self._python) if self._mountns else ([], [])
+        self._no_userns = os.uname().machine in _USERNS_SYSCALLS
         self.isolation = {
             "rlimits": True,
             "uid": (f"per-execution uid from {uid_base}" if self._unique_uids
@@ -401,6 +500,8 @@ class Sandbox:
             "netns": ("user+net namespace" if self._userns else self._netns),
             "mountns": self._mountns,
             "pidns": self._mountns,
+            "root": "allow-list (interpreter, standard library, /dev/null)" if self._mountns else False,
+            "no_userns": "seccomp" if self._no_userns else False,
             "audit_hook": self._audit_hook,
         }
 
@@ -455,7 +556,8 @@ class Sandbox:
                 os.chmod(workdir, 0o700)
             cfg = {"python": self._python, "parent_pid": os.getpid(), "host_workdir": workdir, "uid": uid, "gid": uid,
                    "netns": self._netns, "userns": self._userns, "mountns": self._mountns,
-                   "audit_hook": self._audit_hook, "hidden_prefixes": self._prefixes,
+                   "audit_hook": self._audit_hook, "allowed": self._allowed, "hidden": self._hidden,
+                   "no_userns": self._no_userns,
                    "cpu_time_s": max(1, math.ceil(limits.cpu_time_s)),
                    "memory_bytes": int(limits.memory_bytes),
                    "max_file_bytes": int(limits.max_file_bytes),
