@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, read_metrics, run_main
+from conftest import REPO_ROOT, read_metrics, run_main, vllm_installed
 
 RECIPES = sorted(path.stem for path in (REPO_ROOT / "recipes").glob("*.yaml"))
 
@@ -56,8 +56,10 @@ SIZES: dict[str, list[str]] = {
     # never solves a problem)
     "rft_math": ["rft.rounds=2", "rft.steps_per_round=1", "rft.prompts_per_round=4", "rft.n=2", "rft.batch_size=2",
                  "rft.micro_batch_size=2", "rft.keep_top_k=0", "rft.min_score=-1000", LENGTH_REWARD],
+    # the length reward and a large step: step 1's update is real, so step 2 samples synced weights (vision tower too)
     "grpo_vlm_shapes": ["data.shapes.n_train=16", "data.shapes.n_val=4", "data.val_max_samples=4",
-                        "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"],
+                        "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                        LENGTH_REWARD, "actor.optim.lr=1e-3"],
 }
 
 # The metric that proves a stage's update ran, at every training step.
@@ -135,6 +137,13 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
         assert (run_dir / "report.html").exists(), f"{recipe}: no run report"
     if recipe == "grpo_math":
         check_main_job_run(run_dir, result.stdout, trained)
+    if recipe == "grpo_vlm_shapes":
+        check_vlm_run(run_dir, trained)
+    if recipe == "grpo_feedback_math":
+        from test_agent_loop import check_multi_turn_run
+
+        assert "engine=vllm" in result.stdout or not vllm_installed()
+        check_multi_turn_run(run_dir, continuous=vllm_installed(), environment=True)
 
 
 def check_main_job_run(run_dir: Path, stdout: str, trained: list[dict]) -> None:
@@ -151,6 +160,21 @@ def check_main_job_run(run_dir: Path, stdout: str, trained: list[dict]) -> None:
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert_export_loads(run_dir / "hf_model")
+
+
+def check_vlm_run(run_dir: Path, trained: list[dict]) -> None:
+    """HF rollout and trainer see the same images and 3-D positions; step 1 moved the weights; the export is a VLM."""
+    for step in trained:
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "rollout/logprob_abs_diff",
+                    "actor/kl_loss", "timing/weight_sync"):
+            assert key in step, (step["step"], key)
+        assert step["rollout/logprob_abs_diff"] < 1e-3  # the text path's tolerance
+    assert trained[0]["actor/grad_norm"] > 0 and trained[1]["actor/kl_loss"] > 0
+    export = run_dir / "hf_model"
+    assert (export / "preprocessor_config.json").is_file()
+    from transformers import AutoModelForImageTextToText
+
+    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "Qwen2_5_VLForConditionalGeneration"
 
 
 def assert_export_loads(export_dir: Path) -> None:

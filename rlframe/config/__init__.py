@@ -45,7 +45,7 @@ from rlframe.config.algorithm import (
     off_policy_correction,
     run_estimator_needs,
 )
-from rlframe.config.checks import ConfigError, local_model_dir, problems_of, raise_problems
+from rlframe.config.checks import ConfigError, declared_bounds_hold, local_model_dir, problems_of, raise_problems
 from rlframe.config.data import ArithmeticDataConfig, DataConfig, ShapesDataConfig
 from rlframe.config.model import LoraConfig, ModelConfig
 from rlframe.config.reward import RewardConfig, RewardFunctionConfig, RewardModelConfig
@@ -66,7 +66,7 @@ from rlframe.config.trainer import (
     devices_needed,
     rollout_world_size,
 )
-from rlframe.stages.config import DPOConfig, PairGenerationConfig, RewardTrainingConfig, SFTConfig
+from rlframe.stages.config import DPOConfig, PairGenerationConfig, PretrainConfig, RewardTrainingConfig, RFTConfig, SFTConfig
 from rlframe.workers.engine.deepspeed.settings import DeepSpeedSettings
 from rlframe.workers.engine.megatron.settings import MegatronSettings
 from rlframe.workers.engine.registry import check_engine_model, check_engines
@@ -92,12 +92,15 @@ class RLConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rm: RewardTrainingConfig = field(default_factory=RewardTrainingConfig)
     pairs: PairGenerationConfig = field(default_factory=PairGenerationConfig)
+    pt: PretrainConfig = field(default_factory=PretrainConfig)  # stage=pt
+    rft: RFTConfig = field(default_factory=RFTConfig)  # stage=rft
 
 
-# Every rule on the configuration alone, section by section: rule(cfg, need). The engines' own
-# checks run through their registry (check_engines: each entry's CHECKS, whatever the strategy).
-CHECKS = (model.CHECKS + data.CHECKS + algorithm.CHECKS + actor.CHECKS + actor.CRITIC_CHECKS + rollout.CHECKS
-          + reward.CHECKS + trainer.CHECKS + (check_engines,) + stages.CHECKS)
+# Every rule on the configuration alone: first each field's declared bound or choices (rlframe/bounds.py),
+# then section by section: rule(cfg, need). The engines' own checks run through their registry
+# (check_engines: each entry's CHECKS, whatever the strategy).
+CHECKS = ((declared_bounds_hold,) + model.CHECKS + data.CHECKS + algorithm.CHECKS + actor.CHECKS + actor.CRITIC_CHECKS
+          + rollout.CHECKS + reward.CHECKS + trainer.CHECKS + (check_engines,) + stages.CHECKS)
 # The rules that read the model's folder: rule(cfg, need, model_dir), model_dir None when it is not on
 # this machine yet (a hub id, an embedded model not converted yet); run again once it is provisioned.
 FOLDER_CHECKS = model.FOLDER_CHECKS + (check_engine_model,) + rollout.FOLDER_CHECKS

@@ -1,7 +1,8 @@
-"""Typed configuration of the stages around RL (`stage: sft | dpo | rm`; `rl` is the RL loop).
+"""Typed configuration of the stages around RL (`stage: pt | sft | dpo | rm | rft`; `rl` is the RL loop).
 
-Plain dataclasses with no project imports: `rlframe.config.RLConfig` holds one section of each, so
-a recipe sets them like every other key (`sft.epochs=2`, `dpo.beta=0.2`).
+Plain dataclasses (their bounds declared beside the fields, rlframe/bounds.py: its only project import):
+`rlframe.config.RLConfig` holds one section of each, so a recipe sets them like every other key
+(`sft.epochs=2`, `dpo.beta=0.2`).
 """
 
 from __future__ import annotations
@@ -9,21 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-STAGES = ("rl", "sft", "dpo", "rm")
+from rlframe.bounds import bounded, one_of
+
+STAGES = ("rl", "pt", "sft", "dpo", "rm", "rft")
 
 
 @dataclass
 class SFTConfig:
     """stage=sft (rlframe/stages/sft.py): supervised fine-tuning on prompt/response rows."""
 
-    loss_on: str = "response"  # response: the reply tokens only | all: every token but the first
-    epochs: int = 1
-    batch_size: int = 16  # sequences per optimiser step, over all ranks
-    micro_batch_size: int = 8  # sequences per forward/backward, per rank
-    max_length: int = 256  # prompt + response tokens; longer rows: data.overlong
+    loss_on: str = one_of("response", ("response", "all"))  # response: the reply tokens only | all: every token but the first
+    epochs: int = bounded(1, ">= 1")
+    batch_size: int = bounded(16, ">= 1")  # sequences per optimiser step, over all ranks
+    micro_batch_size: int = bounded(8, ">= 1")  # sequences per forward/backward, per rank
+    max_length: int = bounded(256, ">= 2")  # prompt + response tokens; longer rows: data.overlong
     response_key: str = "response"  # prompt + response rows
     messages_key: str = "messages"  # or whole conversations (the last message is the target)
-    val_every: int = 0  # steps; 0: validation before and after training only
+    val_every: int = bounded(0, ">= 0")  # steps; 0: validation before and after training only
 
 
 @dataclass
@@ -32,27 +35,32 @@ class PairGenerationConfig:
     rollout engine, scored by reward.functions; the best and the worst of a prompt become a pair when
     their scores differ by at least min_score_gap."""
 
-    n: int = 4  # samples per prompt, at rollout.temperature
-    prompts: int = 256  # training prompts to sample (0: all)
-    min_score_gap: float = 0.05
-    batch_size: int = 64  # prompts per generation call
+    n: int = bounded(4, ">= 2", "a pair needs two samples")  # samples per prompt, at rollout.temperature
+    prompts: int = bounded(256, ">= 0", "0: all")  # training prompts to sample (0: all)
+    min_score_gap: float = bounded(0.05, ">= 0")
+    batch_size: int = bounded(64, ">= 1")  # prompts per generation call
 
 
 @dataclass
 class DPOConfig:
     """stage=dpo (rlframe/stages/dpo.py): preference optimisation on chosen/rejected pairs."""
 
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo (reference-free); rlframe/algos/preference.py
-    beta: float = 0.1
-    gamma: float = 0.5  # simpo's target reward margin
-    label_smoothing: float = 0.0  # sigmoid only: conservative DPO
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo | orpo (reference-free) | kto (unpaired rows); rlframe/algos/preference.py
+    beta: float = bounded(0.1, "> 0")  # orpo: the odds-ratio term's weight (lambda)
+    gamma: float = bounded(0.5, "finite")  # simpo's target reward margin
+    label_smoothing: float = bounded(0.0, "[0, 0.5)")  # sigmoid only: conservative DPO
     length_normalize: bool = False  # per-token mean log-probs (LN-DPO; SimPO wants true)
-    epochs: int = 1
-    batch_size: int = 8  # pairs per optimiser step, over all ranks
-    max_length: int = 256  # prompt + the longer reply, in tokens; longer pairs: data.overlong
+    epochs: int = bounded(1, ">= 1")
+    batch_size: int = bounded(8, ">= 1")  # pairs per optimiser step, over all ranks
+    max_length: int = bounded(256, ">= 2")  # prompt + the longer reply, in tokens; longer pairs: data.overlong
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
-    val_every: int = 0
+    # kto: unpaired rows {prompt, completion, label (true: desirable)}; pair rows are split into one of each
+    completion_key: str = "completion"
+    label_key: str = "label"
+    desirable_weight: float = bounded(1.0, "> 0")  # kto: w_D
+    undesirable_weight: float = bounded(1.0, "> 0")  # kto: w_U
+    val_every: int = bounded(0, ">= 0")
     # data.source=arithmetic (or pairs.generate=true): pairs from the model's own samples first.
     pairs_file: Optional[str] = None  # where generated pairs are written (default: <run_dir>/data/pairs.jsonl)
 
@@ -62,8 +70,51 @@ class RewardTrainingConfig:
     """stage=rm (rlframe/stages/reward_model.py): a scalar reward model trained with the
     Bradley-Terry loss on chosen/rejected pairs (the dpo section's keys and pair generation)."""
 
+    epochs: int = bounded(1, ">= 1")
+    batch_size: int = bounded(8, ">= 1")  # pairs per optimiser step, over all ranks
+    max_length: int = bounded(256, ">= 2")
+    margin: float = bounded(0.0, "finite")
+    head_lr: Optional[float] = bounded(None, "> 0")  # the score head's LR (it starts at zero); null: actor.optim.lr
+
+
+@dataclass
+class PretrainConfig:
+    """stage=pt (rlframe/stages/pt.py): continued pre-training, next-token prediction on raw text.
+
+    The documents (txt: one per blank-line-separated block; jsonl / parquet: the `text_key` column) are
+    tokenised, each ended with EOS, and packed back to back into rows of `max_length` tokens; attention
+    stays inside each document (the packed forward); the loss is on every token that has its document's
+    context (all but each document's first). Validation: the held-out perplexity, exp(val/loss)."""
+
+    text_key: str = "text"
+    max_length: int = 256  # tokens per packed row
     epochs: int = 1
-    batch_size: int = 8  # pairs per optimiser step, over all ranks
-    max_length: int = 256
-    margin: float = 0.0
-    head_lr: Optional[float] = None  # the score head's LR (it starts at zero); null: actor.optim.lr
+    batch_size: int = 8  # packed rows per optimiser step, over all ranks
+    micro_batch_size: int = 4  # rows per forward/backward, per rank
+    val_fraction: float = 0.1  # documents held out when no data.val_files are given
+    val_every: int = 0
+    # data.source=text: the text set the project generates (rlframe/stages/pt_data.py: generated_corpus)
+    generated_documents: int = 400
+
+
+@dataclass
+class RFTConfig:
+    """stage=rft (rlframe/stages/rft.py): rejection-sampling fine-tuning (RAFT / ReST / STaR-style).
+
+    Each round: `n` samples per prompt for the next `prompts_per_round` training prompts with the rollout
+    engine, scored by reward.functions; the `keep_top_k` best of each prompt whose score is at least
+    `min_score` become SFT rows (identical replies kept once); then `steps_per_round` SFT updates of
+    `batch_size` rows drawn from that round's rows (shuffled passes). loss=rrhf trains on whole groups
+    instead: the n samples of each prompt whose best reaches min_score (the rank loss + the best's NLL)."""
+
+    rounds: int = 3
+    n: int = 8  # samples per prompt, at rollout.temperature
+    prompts_per_round: int = 64
+    keep_top_k: int = 1  # per prompt, among those >= min_score (0: all above min_score)
+    min_score: float = 1.0
+    loss: str = "sft"  # sft: NLL of the kept replies | rrhf: ranking loss over all n + NLL of the best
+    steps_per_round: int = 4
+    batch_size: int = 8  # rows per optimiser step (rrhf: groups of n rows), over all ranks
+    micro_batch_size: int = 8
+    generation_batch_size: int = 64  # prompts per generation call
+    val_every: int = 0  # steps; 0: after every round (and before training)

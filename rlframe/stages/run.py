@@ -13,9 +13,11 @@ from rlframe.config import RLConfig
 
 DRIVERS = {  # stage -> "module:Class", imported only when chosen
     "rl": "rlframe.trainer.rl_trainer:RLTrainer",
+    "pt": "rlframe.stages.pt:PretrainTrainer",
     "sft": "rlframe.stages.sft:SFTTrainer",
     "dpo": "rlframe.stages.dpo:DPOTrainer",
     "rm": "rlframe.stages.reward_model:RewardModelTrainer",
+    "rft": "rlframe.stages.rft:RFTTrainer",
 }
 
 
