@@ -178,3 +178,56 @@ def specs_to_wire(specs: list[TensorSpec]) -> list[tuple[str, tuple[int, ...], s
 
 def specs_from_wire(wire: list) -> list[TensorSpec]:
     return [TensorSpec(name, tuple(shape), getattr(torch, dtype)) for name, shape, dtype in wire]
+
+
+# ---------------------------------------------------------------------------- sync checksums
+# After a weight sync the trainer's weights and the engine's must agree. Comparing them in full costs a
+# pass over the whole model on each side (about the price of the sync itself on a CPU); a strided sample
+# of each tensor costs a few thousand elements per tensor, and an optimizer step (which moves nearly
+# every element) still moves the sample's sum. Both sides sample the same elements: the stride depends on
+# the tensor's size alone.
+CHECKSUM_SAMPLES = 4096  # elements sampled per tensor (at most 2x this many)
+CHECKSUM_RTOL = 1e-9  # float64 sums of the same float values agree far closer than one optimizer step moves them
+
+
+def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
+    """(sum, sum of squares) in float64 of every s-th element of the flattened tensor, s = max(1, numel //
+    CHECKSUM_SAMPLES): the same elements on both sides of a sync, whatever dtype, device or layout."""
+    flat = tensor.detach().reshape(-1)
+    stride = max(1, flat.numel() // CHECKSUM_SAMPLES)
+    sample = flat[::stride].to(torch.float64)
+    return float(sample.sum()), float(sample.square().sum())
+
+
+def checksums_of(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, float]]:
+    return {name: tensor_checksum(tensor) for name, tensor in weights}
+
+
+def checksum_close(a: tuple[float, float], b: tuple[float, float], rtol: float = CHECKSUM_RTOL) -> bool:
+    """Equal up to float64 rounding: |sum_a - sum_b| <= rtol * sqrt(n * sumsq) (a bound on the sum of |x| over the
+    n <= 2 * CHECKSUM_SAMPLES sampled elements) and |sumsq_a - sumsq_b| <= rtol * sumsq."""
+    scale = max(a[1], b[1])
+    return (abs(a[0] - b[0]) <= rtol * (2 * CHECKSUM_SAMPLES * scale) ** 0.5 + 1e-30
+            and abs(a[1] - b[1]) <= rtol * scale + 1e-30)
+
+
+def compare_checksums(trainer: dict, engine: dict, previous_trainer: dict | None = None,
+                      previous_engine: dict | None = None) -> dict:
+    """What a sync did, from the checksums (name -> (sum, sumsq)) of the trainer's weights and the engine's after it,
+    and of both after the previous sync (None: unknown).
+
+    checked: tensors found on both sides; unequal: of those, the ones that differ (first_unequal names one);
+    engine_changed / trainer_changed: 1 when some tensor moved since the previous sync, 0 when none did, -1 unknown.
+    A healthy sync: unequal == 0, and engine_changed == 1 whenever trainer_changed == 1."""
+    checked = [name for name in trainer if name in engine]
+    unequal = [name for name in checked if not checksum_close(trainer[name], engine[name])]
+
+    def changed(now: dict, before: dict | None) -> int:
+        common = [name for name in now if before is not None and name in before]
+        if not common:
+            return -1
+        return int(any(not checksum_close(now[name], before[name]) for name in common))
+
+    return {"checked": len(checked), "unequal": len(unequal), "first_unequal": unequal[0] if unequal else "",
+            "engine_changed": changed({n: engine[n] for n in checked}, previous_engine),
+            "trainer_changed": changed(trainer, previous_trainer)}

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from rlframe.config.gates import CHECKS as GATE_CHECKS
+from rlframe.config.gates import GatesConfig
 from rlframe.workers.engine.registry import ENGINES
 
 
@@ -94,6 +96,8 @@ class TrainerConfig:
     # finish generating). Corrected by algorithm.off_policy_correction.
     async_rollout: bool = False
     max_staleness: int = 1
+    # Checks on every RL step that warn about or stop a run that silently broke (rlframe/config/gates.py).
+    gates: GatesConfig = field(default_factory=GatesConfig)
 
 
 PLACEMENTS = ("colocated", "disaggregated")
@@ -218,4 +222,4 @@ def loggers_known(cfg, need) -> None:
 
 CHECKS = (checkpoint_format_supported, memory_check_known, length_and_device_known, checkpoint_schedule_valid,
           critic_warmup_has_a_critic, placement_fits_nodes, staleness_whole, async_rollout_can_run_ahead,
-          loggers_known)
+          loggers_known) + GATE_CHECKS

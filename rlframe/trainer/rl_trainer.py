@@ -10,10 +10,12 @@
     critic.update_critic(batch)                                      # with a critic
     actor_rollout.update_actor(batch)                                # after trainer.critic_warmup steps
     rollouts.sync_weights()                                          # new weights -> engines
+    gates.check(step, metrics, sync)                                 # warn about / stop a silently broken run
 
 `rollouts` (trainer/rollout_source.py) hides how the samples are made (synchronous, generated ahead,
 partial, dynamic sampling, ReMax's greedy baseline); `scorer` (trainer/scorer.py) runs the reward functions
-in a background thread while the log-prob passes run (reward.overlap). The run loop around the step
+in a background thread while the log-prob passes run (reward.overlap); `gates` (trainer/gates.py,
+trainer.gates) read the step's metrics and the sync's weight checksums. The run loop around the step
 (validation, metrics, checkpoints, restarts) is the one every stage shares (trainer/run_loop.py).
 
 Workers compute; this file decides what to compute.
@@ -30,9 +32,10 @@ from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
 from rlframe.config.actor import skips_old_log_prob_pass
 from rlframe.data.dataset import RLDataset
-from rlframe.memory_plan import read_shape
 from rlframe.protocol import DataProto
+from rlframe.memory_plan import plans_gpu, read_shape
 from rlframe.trainer import algorithm_steps, perf
+from rlframe.trainer.gates import Gates, GateStopped, run_dtype, step_signals, sync_check_metrics
 from rlframe.trainer.launch import start_workers
 from rlframe.trainer.rollout_source import RolloutSource
 from rlframe.trainer.run_loop import RunLoop
@@ -84,6 +87,7 @@ class RLTrainer(RunLoop):
         self.model_shape = read_shape(model_path)  # for perf/mfu (rlframe/trainer/perf.py)
         self.peak_tflops, self.devices = perf.device_peak(cfg)
         self.trained_batch: DataProto | None = None  # the last step's batch, for its throughput metrics
+        self.gates = Gates(cfg.trainer.gates, run_dtype(cfg.model.dtype, plans_gpu(cfg)), run_dir)
         self.launch_workers()
 
     def start_workers(self):
@@ -123,7 +127,26 @@ class RLTrainer(RunLoop):
             self.rollouts.policy_updated()
         train_metrics.update(self.rollouts.sync_weights(updated=actor_moves))
         self.trained_batch = batch
-        return {**reward_metrics, **kl_metrics, **train_metrics, **batch_metrics(batch)}
+        metrics = {**reward_metrics, **kl_metrics, **train_metrics, **batch_metrics(batch)}
+        if cfg.trainer.gates.enable:
+            metrics.update(self.check_gates(step, batch, metrics))
+        return metrics
+
+    def check_gates(self, step: int, batch: DataProto, metrics: dict[str, float]) -> dict[str, float]:
+        """The gates' signals and verdicts (gates/<name>); a `stop` gate logs the step's metrics, then raises."""
+        check = self.rollouts.last_sync_check
+        signals = {**step_signals(batch), **sync_check_metrics(check)}
+        try:
+            return {**signals, **self.gates.check(step, {**metrics, **signals}, check)}
+        except GateStopped:  # the step's metrics and the report still reach the run directory
+            self.tracker.log(step, {**metrics, **signals})
+            try:
+                from rlframe.report import write_report
+
+                write_report(self.run_dir)
+            except Exception as error:  # (the gate's own message matters more)
+                logger.warning("could not write the run report: %s: %s", type(error).__name__, error)
+            raise
 
     def balance_across_ranks(self, batch: DataProto, scores) -> None:
         """Reorder the rows so that each rank's chunk holds a near-equal number of tokens (the pending scores follow)."""

@@ -71,6 +71,7 @@ class RolloutSource:
         self.greedy_baseline_needed = configured_estimator_needs(cfg.algorithm).greedy_baseline  # ReMax
         self.engines = None
         self.engines_record_versions = False
+        self.last_sync_check: dict | None = None  # the last sync's checksum report (workers/weight_broadcast.py)
 
     def attach(self, actor_rollout, engines_record_versions: bool) -> None:
         """The handle that generates (and syncs weights); whether its engines record the weights' version
@@ -99,6 +100,7 @@ class RolloutSource:
         weights, unless staged), then receive the new weights when the actor moved. weight_sync/* metrics."""
         if self.async_depth < 2:
             self.finish_generation_ahead()
+        self.last_sync_check = None
         if not updated:
             return {}
         timeouts = self.cfg.trainer.timeouts
@@ -106,11 +108,21 @@ class RolloutSource:
             if self.async_depth >= 2:  # staged: the engines load them after the generations already sent
                 sync = self.stage_weights()
             else:
-                sync = self.engines.sync_weights(_timeout=timeouts.weight_sync, **self.version_arg())[0]
+                sync = self.engines.sync_weights(_timeout=timeouts.weight_sync, **self.version_arg(),
+                                                 **self.checksum_arg())[0]
         metrics = {"weight_sync/seconds": sync["timing/weight_sync_s"]}
         if "weight_sync/bytes" in sync:
             metrics["weight_sync/bytes"] = float(sync["weight_sync/bytes"])
+        self.last_sync_check = sync.get("weight_sync/check")  # what the sync did to the engine (the weight_sync gate)
         return metrics
+
+    def checksum_arg(self) -> dict:
+        """Colocated engines compare their weights with the trainer's after each sync (trainer.gates: the
+        weight_sync gate); the broadcast to disaggregated engines does not check yet."""
+        gates = self.cfg.trainer.gates
+        if self.engines_record_versions or not gates.enable or gates.weight_sync == "off":
+            return {}
+        return {"checksum": True}
 
     def end(self) -> None:
         """Surface any failed load of staged weights, waiting for every queued one."""

@@ -35,11 +35,17 @@ from rlframe.workers.objectives import PolicyObjective
 from rlframe.workers.rollout.base import generate_sequences
 from rlframe.workers.rollout.factory import build_rollout_engine, tensor_parallel_group
 from rlframe.workers.settings import ActorSettings
-from rlframe.workers.weight_broadcast import WeightSender, make_process_group, specs_from_wire, specs_to_wire, weight_spec
+from rlframe.workers.weight_broadcast import (WeightSender, checksums_of, compare_checksums, make_process_group,
+                                             specs_from_wire, specs_to_wire, tensor_checksum, weight_spec)
+
+SKIP_LOAD_ENV = "RLFRAME_DEBUG_SKIP_WEIGHT_LOAD"  # "1": syncs stream past the engine (a skipped sync, made on purpose)
 
 
 class ActorRolloutWorker:
     """The actor (training) and the rollout engine, sharing one process and its devices."""
+
+    synced_checksums: tuple[dict | None, dict | None] = (None, None)  # (trainer, engine) after the last checked sync
+    streamed_shapes: dict = {}  # name -> shape of what the last sync streamed
 
     def __init__(self, settings: ActorSettings):
         self.settings = settings
@@ -112,22 +118,56 @@ class ActorRolloutWorker:
         return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_weights(self) -> dict:
-        """Stream the trainer's weights into the rollout engine (no disk); returns the seconds taken."""
+    def sync_weights(self, checksum: bool = False) -> dict:
+        """Stream the trainer's weights into the rollout engine (no disk); returns the seconds taken. With
+        `checksum`, also what the sync did to the engine (`weight_sync/check`: workers/weight_broadcast.py's
+        compare_checksums of the trainer's streamed weights and the engine's after the load, and its seconds)."""
         start = time.perf_counter()
-        n, nbytes = self._load_into_rollout()
-        return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/tensors": n,
-                "weight_sync/bytes": nbytes}
+        previous_engine = self.synced_checksums[1] if checksum else None
+        if checksum and previous_engine is None and not getattr(self.rollout, "weights_discarded", False):
+            previous_engine = self.rollout.weight_checksums(self._weight_shapes())  # the first sync: from the folder
+        n, nbytes, trainer_sums = self._load_into_rollout(checksum)
+        out = {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/tensors": n, "weight_sync/bytes": nbytes}
+        if checksum:
+            check_start = time.perf_counter()
+            engine_sums = self.rollout.weight_checksums(self.streamed_shapes)
+            report = compare_checksums(trainer_sums, engine_sums, self.synced_checksums[0], previous_engine)
+            self.synced_checksums = (trainer_sums, engine_sums)
+            out["weight_sync/check"] = {**report, "seconds": time.perf_counter() - check_start}
+        return out
 
-    def _load_into_rollout(self) -> tuple[int, int]:
-        """Full (or, under LoRA, merged) weights; or the adapter tensors alone when the engine applies
-        the adapters itself (model.lora.weight_sync=adapter). Returns (tensors, bytes) streamed."""
-        counter = _ByteCounter()
+    def _weights_to_sync(self):
+        """Full (or, under LoRA, merged) weights; or the adapter tensors alone when the engine applies the
+        adapters itself (model.lora.weight_sync=adapter). Returns (the iterator, the engine's load method)."""
         if self.settings.rollout.lora is not None:
-            n = self.rollout.load_adapter(counter.count(self.engine.iter_adapter_weights(dtype=self.profile.dtype)))
+            return self.engine.iter_adapter_weights(dtype=self.profile.dtype), self.rollout.load_adapter
+        return self.engine.iter_full_weights(dtype=self.profile.dtype), self.rollout.load_weights
+
+    def _load_into_rollout(self, checksum: bool = False) -> tuple[int, int, dict]:
+        """Stream `_weights_to_sync` into the engine. Returns (tensors, bytes streamed, and with `checksum` each
+        streamed tensor's sampled checksum). RLFRAME_DEBUG_SKIP_WEIGHT_LOAD=1 (tests, `python -m rlframe.doctor`'s
+        own checks) streams them past the engine instead: it keeps the weights (or adapter) it had."""
+        counter = _ByteCounter(checksum)
+        weights, load = self._weights_to_sync()
+        if os.environ.get(SKIP_LOAD_ENV) == "1":
+            n = sum(1 for _ in counter.count(weights))
         else:
-            n = self.rollout.load_weights(counter.count(self.engine.iter_full_weights(dtype=self.profile.dtype)))
-        return n, counter.bytes
+            n = load(counter.count(weights), checksum=checksum)
+        self.streamed_shapes = counter.shapes
+        return n, counter.bytes, counter.checksums
+
+    def _weight_shapes(self) -> dict:
+        """name -> shape of what a sync streams (no gather: global shapes)."""
+        if self.settings.rollout.lora is not None:
+            return {key: tuple(t.shape) for key, t in self.engine.model.state_dict().items() if "lora_" in key}
+        return {name: tuple(t.shape) for name, t in merged_weight_view(self.engine.model).items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_checksums(self) -> dict:
+        """{"trainer": the sampled checksums of what a sync would stream now, "engine": of what the engine holds}
+        (`python -m rlframe.doctor`; every rank iterates the trainer's full weights: a collective)."""
+        trainer = checksums_of(self._weights_to_sync()[0])
+        return {"trainer": trainer, "engine": self.rollout.weight_checksums(self._weight_shapes())}
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, out_dir: str) -> dict:
@@ -220,14 +260,19 @@ class ActorWorker(ActorRolloutWorker):
 
 
 class _ByteCounter:
-    """Counts the bytes of the (name, tensor) pairs streamed through `count`."""
+    """Counts the bytes of the (name, tensor) pairs streamed through `count` (with `checksum`, records each
+    one's sampled checksum and shape too)."""
 
-    def __init__(self) -> None:
-        self.bytes = 0
+    def __init__(self, checksum: bool = False) -> None:
+        self.bytes, self.checksum = 0, checksum
+        self.checksums: dict[str, tuple[float, float]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
 
     def count(self, weights):
         for name, tensor in weights:
             self.bytes += tensor.numel() * tensor.element_size()
+            if self.checksum:
+                self.checksums[name], self.shapes[name] = tensor_checksum(tensor), tuple(tensor.shape)
             yield name, tensor
 
 

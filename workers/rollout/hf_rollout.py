@@ -17,6 +17,7 @@ from rlframe.protocol import DataProto
 from rlframe.workers.engine.hf_model import build_causal_lm
 from rlframe.protocol import build_rollout_batch
 from rlframe.workers.settings import LoraSettings, SamplingSettings
+from rlframe.workers.weight_broadcast import checksums_of
 
 
 class HFRollout:
@@ -35,7 +36,9 @@ class HFRollout:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], checksum: bool = False) -> int:
+        """Copy each (name, tensor) into this copy's parameter of that name (`checksum`: nothing to record here,
+        weight_checksums reads the copy back)."""
         params = self.model.state_dict()
         loaded = 0
         for name, tensor in weights:
@@ -44,9 +47,15 @@ class HFRollout:
                 loaded += 1
         return loaded
 
-    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], checksum: bool = False) -> int:
         """The adapter tensors (A, B) under the trainer's state-dict keys, which are this copy's too."""
         return self.load_weights(weights)
+
+    @torch.no_grad()
+    def weight_checksums(self, shapes: dict | None = None) -> dict[str, tuple[float, float]]:
+        """The sampled checksums (workers/weight_broadcast.py) of the weights this copy holds, read back from its
+        parameters, under the names load_weights takes (the trainer's)."""
+        return checksums_of(self.model.state_dict().items())
 
     @torch.no_grad()
     def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:

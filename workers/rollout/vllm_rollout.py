@@ -33,24 +33,47 @@ from rlframe.workers.host_pages import release_host_pages
 from rlframe.protocol import build_rollout_batch
 from rlframe.workers.rollout.base import unpadded_prompts
 from rlframe.workers.settings import LoraSettings, SamplingSettings
+from rlframe.workers.weight_broadcast import checksums_of, tensor_checksum
 
 logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
-def _reload_weights(worker, weights) -> int:
+def _reload_weights(worker, weights, checksum: bool = False) -> tuple[int, dict, dict]:
     """Runs inside vLLM's worker. The engine is in this process, so `weights` arrives as the very
-    iterator the trainer passed (not a copy): tensors stream through one at a time, never all at once."""
-    count = 0
+    iterator the trainer passed (not a copy): tensors stream through one at a time, never all at once.
+    Returns (tensors loaded, and with `checksum` each received tensor's sampled checksum and shape)."""
+    count, sums, shapes = 0, {}, {}
 
     def counted():
         nonlocal count
-        for item in weights:
+        for name, tensor in weights:
             count += 1
-            yield item
+            if checksum:
+                sums[name], shapes[name] = tensor_checksum(tensor), tuple(tensor.shape)
+            yield name, tensor
 
     worker.model_runner.reload_weights(weights_iterator=counted())
-    return count
+    return count, sums, shapes
+
+
+def _read_checksums(worker, shapes: dict) -> dict:
+    """Runs inside vLLM's worker: the sampled checksums of the engine's own parameters, read back, for those under
+    a trainer name (`shapes`: name -> the trainer's shape) that still hold their values in that shape (the
+    vocabulary's rows may be padded). Fused (qkv_proj, gate_up_proj), tensor-parallel shards and, on CPU, linear
+    weights repacked for oneDNN (left empty) cannot be compared this way."""
+    out = {}
+    for name, param in worker.model_runner.get_model().named_parameters():
+        shape = shapes.get(name)
+        if shape is None or param.numel() == 0:
+            continue
+        data = param.data
+        if tuple(data.shape) != tuple(shape):
+            if data.dim() != len(shape) or tuple(data.shape[1:]) != tuple(shape[1:]) or data.shape[0] < shape[0]:
+                continue
+            data = data[: shape[0]]
+        out[name] = tensor_checksum(data)
+    return out
 
 
 def _kv_cache_tensors(caches) -> Iterator[torch.Tensor]:
@@ -168,20 +191,33 @@ class VLLMRollout:
         self.llm = LLM(**kwargs)
         self.asleep_tags: set[str] = set()  # what sleep() released: "weights", "kv_cache"
         self.weights_discarded = False  # slept at level 2: only a full load_weights brings the model back
+        self.received: dict[str, tuple[float, float]] = {}  # checksums of what the last sync's loader took
 
     @property
     def asleep(self) -> bool:
         return bool(self.asleep_tags)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Stream new weights in (the KV cache stays asleep until the next generation)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], checksum: bool = False) -> int:
+        """Stream new weights in (the KV cache stays asleep until the next generation); with `checksum` the
+        loader records a sampled checksum of each tensor it takes (weight_checksums)."""
         self.wake_up(tags=["weights"])
-        loaded = self.llm.collective_rpc(_reload_weights, args=(iter(weights),))[0]
+        loaded, self.received, self.received_shapes = self.llm.collective_rpc(
+            _reload_weights, args=(iter(weights), checksum))[0]
         self.weights_discarded = False
         self.llm.reset_prefix_cache()
         return loaded
 
-    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def weight_checksums(self, shapes: dict | None = None) -> dict[str, tuple[float, float]]:
+        """Sampled checksums (workers/weight_broadcast.py) under the trainer's names: what the engine's loader took
+        at the last sync, overridden by a read-back of the engine's own parameters where they hold the trainer's
+        tensor as it is (on CPU: embeddings and norms; on GPU also the unfused linear layers). `shapes`: name ->
+        the trainer's shape (default: those of the last sync)."""
+        if self.weights_discarded:  # slept at level 2: nothing to read back until the next load
+            return dict(self.received)
+        shapes = shapes if shapes is not None else getattr(self, "received_shapes", {})
+        return {**self.received, **self.llm.collective_rpc(_read_checksums, args=(shapes,))[0]}
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], checksum: bool = False) -> int:
         """Adapter-only sync: (trainer state-dict key, A or B) -> a peft folder -> a new LoRA id."""
         from vllm.lora.request import LoRARequest
 
@@ -192,6 +228,8 @@ class VLLMRollout:
                                "(adapter-only sync must sleep at level 1)")
 
         state = dict(weights)
+        if checksum:  # the adapter lives in vLLM's LoRA manager once added: what was handed to it is what is compared
+            self.received = checksums_of(state.items())
         self.wake_up(tags=["weights"])
         previous = self.lora_request
         version = previous.lora_int_id + 1 if previous is not None else 1
