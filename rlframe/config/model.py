@@ -29,6 +29,9 @@ class LoraConfig:
     # model's names; every engine and placement) | adapter (only A and B; the engine applies them
     # itself: vLLM's LoRA support or the HF engine's own LoRA layers; colocated placement only).
     weight_sync: str = "merged"
+    # lora | dora (weight-decomposed: a trained magnitude per output row) | rslora (alpha / sqrt(rank) scaling);
+    # adalora and ia3 are refused (workers/engine/lora.py: adapter_kind_problem says why)
+    kind: str = "lora"
 
 
 @dataclass
@@ -96,6 +99,17 @@ def lora_weight_sync_known(cfg, need) -> None:
          "Fix: model.lora.weight_sync=merged")
 
 
+def lora_kind_supported(cfg, need) -> None:
+    """model.lora.kind: an adapter kind peft has and the engines and weight sync here carry."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return
+    from rlframe.workers.engine.lora import adapter_kind_problem
+
+    problem = adapter_kind_problem(lora.kind, lora.weight_sync)
+    need(problem is None, "model.lora.kind", str(problem))
+
+
 def lora_targets_well_formed(cfg, need) -> None:
     targets = cfg.model.lora.target_modules
     need(cfg.model.lora.rank == 0 or _well_formed(targets), "model.lora.target_modules",
@@ -117,7 +131,7 @@ def qlora_has_a_gpu(cfg, need) -> None:
 
 
 CHECKS = (path_resolves, dtype_known, qlora_needs_lora, lora_values_in_range, lora_engine_implements_it,
-          lora_weight_sync_known, lora_targets_well_formed, qlora_has_a_gpu)
+          lora_weight_sync_known, lora_kind_supported, lora_targets_well_formed, qlora_has_a_gpu)
 
 
 def _well_formed(targets: Any) -> bool:

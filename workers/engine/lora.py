@@ -1,4 +1,4 @@
-"""LoRA and QLoRA for the training engines: low-rank adapters trained over a frozen base model (peft).
+"""LoRA, DoRA, rsLoRA and QLoRA for the training engines: low-rank adapters trained over a frozen base model (peft).
 
     peft_config = apply_lora(model, settings.lora)     # in place, before sharding: base frozen
     with adapters_disabled(model): ...                 # the base model: the reference policy, for free
@@ -16,6 +16,15 @@ LoRA layer whose `base_layer` is the original Linear, so the engine's forward (p
 interface, `logits_to_keep`, gradient checkpointing, Ulysses) and FSDP2's per-layer sharding are
 unchanged. State-dict names gain `.base_layer.` and `.lora_A.default.` / `.lora_B.default.`;
 the functions here translate back to the base model's HF names.
+
+Kinds (`model.lora.kind`, `ADAPTER_KINDS`):
+
+    lora     y = W x + (alpha / r) B A x
+    rslora   y = W x + (alpha / sqrt(r)) B A x              (rank-stabilised scaling; Kalajdzievski 2023)
+    dora     y = m / ||W + s B A||_row * (W + s B A) x       (weight-decomposed; Liu et al. 2024): a trained
+             magnitude m per output row; merged: W' = (m / ||W + s B A||_row)[:, None] * (W + s B A)
+
+AdaLoRA and IA3 exist in peft but are refused before any worker starts (`adapter_kind_problem` says why).
 
 QLoRA (`load_in_4bit`): the frozen base is loaded in NF4 by bitsandbytes (CUDA only); merged
 weights dequantize it first. Driver-side helpers at the bottom check `model.lora.target_modules`
@@ -39,8 +48,37 @@ from rlframe.workers.settings import LoraSettings
 ADAPTER = "default"  # peft's name for the (single) adapter
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-# state-dict keys of adapter tensors: "<module>.lora_A.default.weight"
-_ADAPTER_KEY = re.compile(r"\.lora_[AB]\.")
+# state-dict keys of adapter tensors: "<module>.lora_A.default.weight" (DoRA: "<module>.lora_magnitude_vector.default.weight")
+_ADAPTER_KEY = re.compile(r"\.(lora_[AB]|lora_magnitude_vector)\.")
+ADAPTER_KINDS = ("lora", "dora", "rslora")
+REFUSED_KINDS = {
+    "adalora": "AdaLoRA re-allocates ranks during training through peft's update_and_allocate(step), which must "
+               "run after every optimizer step; rlframe's engines step the optimizer themselves and do not call it "
+               "(and vLLM cannot load AdaLoRA adapters)",
+    "ia3": "IA3 scales activations by learned vectors instead of adding B A; rlframe's merged weight sync, adapter "
+           "checkpoints and export are written for low-rank A/B adapters (peft could merge IA3, but nothing here "
+           "carries it, and vLLM serves no IA3 adapters)",
+}
+
+
+def adapter_kind(lora: LoraSettings) -> str:
+    return getattr(lora, "kind", "lora")
+
+
+def adapter_kind_problem(kind: str, weight_sync: str = "merged") -> str | None:
+    """Why `model.lora.kind=kind` cannot run here, with the fix; None when it can."""
+    if kind in ADAPTER_KINDS:
+        if kind == "dora" and weight_sync == "adapter":
+            return ("DoRA adapters cannot be synced as adapters: vLLM's and the HF engine's LoRA layers apply B A "
+                    "only, not DoRA's magnitude. Fix: model.lora.weight_sync=merged")
+        return None
+    if kind in REFUSED_KINDS:
+        return f"'{kind}' is not supported: {REFUSED_KINDS[kind]}. Fix: model.lora.kind=lora (or dora, rslora)"
+    from peft import PeftType
+
+    known = kind.upper() in PeftType.__members__
+    what = "a peft adapter type that rlframe does not wire" if known else "not an adapter kind peft has"
+    return f"'{kind}' is {what}. Fix: model.lora.kind=one of {', '.join(ADAPTER_KINDS)}"
 
 
 # ---------------------------------------------------------------------------------------- building
@@ -49,11 +87,15 @@ def peft_lora_config(lora: LoraSettings, base_path: str | None = None, target_mo
     settings' (the rollout side writes the concrete module names it received)."""
     from peft import LoraConfig
 
+    kind = adapter_kind(lora)
+    problem = adapter_kind_problem(kind)
+    if problem is not None:
+        raise ValueError(f"model.lora.kind: {problem}")
     targets = target_modules if target_modules is not None else lora.target_modules
     targets = targets if isinstance(targets, str) else sorted(targets)
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                       exclude_modules=sorted(lora.exclude_modules) or None, bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=base_path)
+                      base_model_name_or_path=base_path, use_dora=kind == "dora", use_rslora=kind == "rslora")
 
 
 def apply_lora(model: nn.Module, lora: LoraSettings, base_path: str | None = None):
@@ -135,11 +177,17 @@ def _base_entries(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 
 def merge_weight(base: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """W + (alpha / r) * B @ A for one LoRA layer: one fused addmm in fp32 on the full (gathered)
-    tensors, returned in W's dtype; shape [out, in]."""
+    """W + s * B @ A for one LoRA layer (s = layer.scaling: alpha / r, rsLoRA alpha / sqrt(r)): one fused
+    addmm in fp32 on the full (gathered) tensors, returned in W's dtype; shape [out, in]. DoRA: that sum
+    rescaled row by row to the trained magnitude, (m / ||W + s B A||_row)[:, None] * (W + s B A)."""
     lora_a = _full(layer.lora_A[ADAPTER].weight.detach()).float()
     lora_b = _full(layer.lora_B[ADAPTER].weight.detach()).float()
-    return torch.addmm(base.float(), lora_b, lora_a, alpha=layer.scaling[ADAPTER]).to(base.dtype)
+    merged = torch.addmm(base.float(), lora_b, lora_a, alpha=layer.scaling[ADAPTER])
+    magnitude = getattr(layer, "lora_magnitude_vector", None)
+    if magnitude is not None and ADAPTER in magnitude:  # DoRA (its norm is the one peft's forward divides by)
+        m = _full(magnitude[ADAPTER].weight.detach()).float()
+        merged = merged * (m / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+    return merged.to(base.dtype)
 
 
 def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -197,12 +245,15 @@ def iter_adapter_weights(model: nn.Module, dtype: torch.dtype | None = None) -> 
 # ---------------------------------------------------------------------------------------- peft folders
 def to_peft_key(key: str) -> str:
     """Model state-dict key -> peft's saved key: "x.q_proj.lora_A.default.weight" ->
-    "base_model.model.x.q_proj.lora_A.weight" (what `PeftModel.from_pretrained` and vLLM read)."""
+    "base_model.model.x.q_proj.lora_A.weight" (what `PeftModel.from_pretrained` and vLLM read); DoRA's
+    "x.lora_magnitude_vector.default.weight" -> "base_model.model.x.lora_magnitude_vector"."""
+    key = re.sub(rf"\.lora_magnitude_vector\.{ADAPTER}\.weight$", ".lora_magnitude_vector", key)
     return "base_model.model." + re.sub(rf"\.(lora_[AB])\.{ADAPTER}\.", r".\1.", key)
 
 
 def from_peft_key(key: str) -> str:
     """The inverse of `to_peft_key`."""
+    key = re.sub(r"\.lora_magnitude_vector$", f".lora_magnitude_vector.{ADAPTER}.weight", key)
     return re.sub(r"\.(lora_[AB])\.", rf".\1.{ADAPTER}.", key.removeprefix("base_model.model."))
 
 
@@ -355,7 +406,8 @@ def target_module_problems(target_modules, exclude_modules, linear: list[str], a
     return problems
 
 
-__all__ = ["ADAPTER", "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "adapter_base_path", "adapters_disabled",
+__all__ = ["ADAPTER", "ADAPTER_CONFIG_FILE", "ADAPTER_KINDS", "ADAPTER_WEIGHTS_FILE", "adapter_base_path", "adapter_kind",
+           "adapter_kind_problem", "adapters_disabled",
            "apply_lora", "build_qlora_base", "merge_weight", "from_peft_key", "has_lora", "is_adapter_folder",
            "iter_adapter_weights", "iter_merged_weights", "lora_layers", "merged_weight_view", "model_linear_names",
            "peft_lora_config", "plain_config", "qlora_unavailable_reason", "read_adapter_state",
