@@ -1,8 +1,9 @@
 """`python -m rlframe.report <run_dir>`: one self-contained HTML page about a run.
 
-Reads `<run_dir>/metrics.jsonl` (and `validation_samples.jsonl`, `config.yaml` when present) and
-writes `<run_dir>/report.html`: reward and accuracy curves (train and validation), response length,
-KL, entropy, clip fractions, the rollout/trainer log-prob gap, the time of each phase per step,
+Reads `<run_dir>/metrics.jsonl` (and `validation_samples.jsonl`, `config.yaml`, `doctor.json`, `gates.jsonl`
+when present) and writes `<run_dir>/report.html`: the doctor's checklist (`python -m rlframe.doctor`) and the
+gates that fired during training (trainer.gates), reward and accuracy curves (train and validation), response
+length, KL, entropy, clip fractions, the rollout/trainer log-prob gap, the time of each phase per step,
 throughput, memory, and a table of sample rollouts with their rewards. The plots are inline SVG drawn
 here: no script from a CDN, nothing fetched, so the file opens anywhere (and can be mailed).
 The trainer regenerates it at the end of every run.
@@ -30,6 +31,8 @@ CHARTS: list[tuple[str, list[tuple[str, str, bool]]]] = [
                         ("actor/pg_clipfrac_lower", "ratio clipped (dual, lower)", False),
                         ("response_length/clip_ratio", "responses cut at the length limit", False)]),
     ("Rollout vs trainer log-prob gap", [("rollout/logprob_abs_diff", "mean |logp_rollout - logp_trainer|", False)]),
+    ("Group signal (gates)", [("reward/zero_variance_groups", "share of groups scoring alike", False),
+                              ("reward/score_std", "score std over the batch", False)]),
     ("Losses and gradient", [("actor/pg_loss", "policy loss", False), ("actor/grad_norm", "grad norm", False),
                              ("critic/vf_loss", "value loss", False)]),
     ("Throughput (tokens/s)", [("perf/generated_tokens_per_s", "generation", False),
@@ -204,6 +207,56 @@ def read_samples(run_dir: Path, limit: int = 16) -> list[dict]:
     return rows[-limit:]
 
 
+def read_gate_events(run_dir: Path) -> list[dict]:
+    """gates.jsonl: one row per gate that fired (rlframe/trainer/gates.py), in order."""
+    path = run_dir / "gates.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+STATUS_COLORS = {"pass": "#2ca02c", "warn": "#ff7f0e", "fail": "#d62728", "skip": "#7f7f7f"}
+
+
+def doctor_section(run_dir: Path) -> str:
+    """The doctor's checklist (doctor.json) as a table, or a line saying how to get one."""
+    from rlframe.doctor.result import read_doctor_json
+
+    doctor = read_doctor_json(run_dir)
+    if doctor is None:
+        return ("<p>no doctor.json: run <code>python -m rlframe.doctor &lt;the same arguments&gt; "
+                "trainer.run_dir=&lt;this directory&gt;</code> before training to check the wiring</p>")
+    counts = doctor.get("counts", {})
+    rows = "".join(
+        f"<tr><td style='color:{STATUS_COLORS.get(c.get('status'), '#222')};font-weight:600'>"
+        f"{html.escape(str(c.get('status', '')).upper())}</td><td>{html.escape(str(c.get('group', '')))}/"
+        f"{html.escape(str(c.get('name', '')))}</td><td>{html.escape(str(c.get('measured', '')))}</td>"
+        f"<td>{html.escape(str(c.get('fix', '')))}</td></tr>" for c in doctor.get("checks", []))
+    head = (f"<p>{html.escape(str(doctor.get('created', '')))}: {counts.get('pass', 0)} pass, {counts.get('warn', 0)} warn, "
+            f"{counts.get('fail', 0)} fail, {counts.get('skip', 0)} skipped ({doctor.get('wall_s', 0)} s)</p>")
+    return head + f"<table><tr><th>status</th><th>check</th><th>measured</th><th>fix</th></tr>{rows}</table>"
+
+
+def gates_section(run_dir: Path) -> str:
+    events = read_gate_events(run_dir)
+    if not events:
+        return "<p>no gate fired</p>"
+    rows = "".join(
+        f"<tr><td class='num'>{int(e.get('step', 0))}</td><td>{html.escape(str(e.get('name', '')))} "
+        f"({html.escape(str(e.get('action', '')))})</td><td>{html.escape(str(e.get('metric', '')))}</td>"
+        f"<td class='num'>{html.escape(_fmt(float(e.get('value', float('nan')))))}</td>"
+        f"<td class='num'>{html.escape(_fmt(float(e.get('threshold', float('nan')))))}</td>"
+        f"<td>{html.escape(str(e.get('cause', '')))}</td></tr>" for e in events)
+    return ("<table><tr><th>step</th><th>gate</th><th>metric</th><th>value</th><th>threshold</th><th>likely cause</th></tr>"
+            f"{rows}</table>")
+
+
 def summary_rows(steps: dict[int, dict[str, float]]) -> list[tuple[str, str]]:
     vals = [(s, m) for s, m in steps.items() if "val/reward_mean" in m]
     rows = [("steps logged", str(max((s for s in steps), default=0)))]
@@ -259,6 +312,10 @@ td.num {{ text-align: right; }} pre {{ white-space: pre-wrap; margin: 0; max-wid
 <h1>rlframe run report: {html.escape(run_dir.name)}</h1>
 <p>{html.escape(str(run_dir.resolve()))}</p>
 <table>{summary}</table>
+<h2>Doctor (before training)</h2>
+{doctor_section(run_dir)}
+<h2>Gates that fired</h2>
+{gates_section(run_dir)}
 <h2>Curves</h2>
 <div class="charts">{''.join(charts) or '<p>No metrics logged yet.</p>'}</div>
 <h2>Sample rollouts (last validation)</h2>

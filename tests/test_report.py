@@ -50,6 +50,23 @@ def test_report_from_metrics(tmp_path):
         report_main([str(tmp_path / "nowhere")])
 
 
+def test_report_shows_the_doctor_and_the_gates_that_fired(tmp_path):
+    from rlframe.doctor.result import CheckResult, write_doctor_json
+
+    run_dir = fake_run(tmp_path / "run")
+    assert "no doctor.json" in build_report(run_dir) and "no gate fired" in build_report(run_dir)
+    write_doctor_json(run_dir, [CheckResult("live", "weight_sync", "fail", "12 of 21 <differ>", "load the weights"),
+                                CheckResult("data", "train_rows", "pass", "64 rows")], ["recipe=grpo_math"], 12.0)
+    (run_dir / "gates.jsonl").write_text(json.dumps(
+        {"name": "logprob_gap", "step": 2, "metric": "rollout/logprob_abs_diff", "value": 0.5, "threshold": 0.001,
+         "cause": "a weight sync that did not land", "action": "warn"}) + "\n")
+    html = build_report(run_dir)
+    assert "1 pass, 0 warn, 1 fail, 0 skipped (12.0 s)" in html
+    assert "live/weight_sync" in html and "12 of 21 &lt;differ&gt;" in html and "load the weights" in html
+    assert "<td class='num'>2</td><td>logprob_gap (warn)</td><td>rollout/logprob_abs_diff</td>" in html
+    assert "a weight sync that did not land" in html
+
+
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
