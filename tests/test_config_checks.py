@@ -135,8 +135,9 @@ def test_user_estimator_needs_are_checked_before_any_worker(tmp_path):
     plain = estimator_file(tmp_path / "plain", "", name="plain")
     validate_config(custom(plain, "plain", rollout__n=1))  # needs nothing: one sample is fine
     critic = estimator_file(tmp_path / "critic", "my_estimator.needs = {'critic': True}")
-    message = problems(custom(critic, critic__cliprange_value=-1.0))
-    assert "critic.cliprange_value: must be >= 0" in message
+    message = problems(custom(critic, critic__loss_agg_mode="bogus"))  # a critic-only check runs: needs.critic
+    assert "critic.loss_agg_mode: 'bogus' is not one of" in message
+    validate_config(custom(plain, "plain", critic__loss_agg_mode="bogus"))  # no critic, nothing to check
     validate_config(custom(critic, trainer__critic_warmup=2))  # a critic to warm up
     turns = estimator_file(tmp_path / "turns", "my_estimator.needs = {'multi_turn': True}")
     assert "algorithm.adv_estimator: grpo_turn credits the model turns" in problems(custom(turns))
@@ -179,16 +180,19 @@ def test_each_section_lists_named_checks_that_validate_config_runs_once_in_order
         module = getattr(config, name)
         for attr in ("CHECKS", "CRITIC_CHECKS", "FOLDER_CHECKS"):
             for check in getattr(module, attr, ()):
-                assert check.__module__ == module.__name__ and not check.__name__.startswith("_"), check
+                # (a section may list a sub-section module's checks: trainer.py lists gates.py's)
+                assert check.__module__.startswith("rlframe.config.") and not check.__name__.startswith("_"), check
                 arguments = list(inspect.signature(check).parameters)
                 assert arguments == ["cfg", "need", "model_dir"][: 3 if attr == "FOLDER_CHECKS" else 2], check
                 listed["FOLDER_CHECKS" if attr == "FOLDER_CHECKS" else "CHECKS"].append(check)
     for attr, checks in listed.items():
         composed = list(getattr(config, attr))
         assert len(composed) == len(set(composed))
-        # every section's checks, in the order of SECTION_MODULES; + the engines' (one entry, their registry)
+        # every section's checks, in the order of SECTION_MODULES; + the engines' (one entry, their registry);
+        # the declared bounds first (rlframe/bounds.py)
         assert [c for c in composed if c in checks] == checks
-        assert len(composed) == len(checks) + 1, attr
+        assert len(composed) == len(checks) + (2 if attr == "CHECKS" else 1), attr
+    assert config.CHECKS[0] is config.declared_bounds_hold
 
 
 def test_no_config_file_over_600_lines_and_no_estimator_name_compared():

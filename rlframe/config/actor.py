@@ -5,27 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rlframe.bounds import bounded
 from rlframe.config.checks import is_number, resolvable
 from rlframe.workers.engine.registry import ENGINES
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
+    lr: float = bounded(1e-6, "> 0")
+    weight_decay: float = bounded(0.0, ">= 0")
+    betas: list[float] = bounded([0.9, 0.999], "[0, 1)", "Adam's (beta1, beta2)", length=2)
+    warmup_steps: int = bounded(0, ">= 0", "0: no warm-up")
+    grad_clip: float = bounded(1.0, "> 0", "the gradient norm's ceiling: at or below 0 every gradient is zeroed or flipped")
 
 
 @dataclass
 class ActorConfig:
     strategy: str = "fsdp"  # the training engine (workers/engine/registry.py): fsdp (FSDP2) | deepspeed (ZeRO) | megatron; ref and critic too
-    world_size: int = 1  # data-parallel ranks of the actor (and colocated rollout / ref)
+    world_size: int = bounded(1, ">= 1")  # data-parallel ranks of the actor (and colocated rollout / ref)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_mini_batch_size: int = 8  # prompts per optimiser step (x rollout.n sequences)
-    ppo_micro_batch_size_per_device: int = 4  # sequences per forward/backward
-    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = bounded(8, ">= 1")  # prompts per optimiser step (x rollout.n sequences)
+    ppo_micro_batch_size_per_device: int = bounded(4, ">= 1")  # sequences per forward/backward
+    ppo_epochs: int = bounded(1, ">= 1", "0 would never update the policy")
     shuffle: bool = True
     policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo | cispo | your own (algorithm.custom_policy_loss)
     # The policy loss's options. "auto": its published default (rlframe/algos/losses.py
@@ -36,8 +37,8 @@ class ActorConfig:
     clip_ratio_high: Any = "auto"
     clip_ratio_c: Any = "auto"  # dual clip (vanilla): for A < 0 the loss is capped at -A * c
     loss_agg_mode: str = "auto"  # auto | token-mean | seq-mean-token-sum | seq-mean-token-mean | ...-sum-norm
-    entropy_coeff: float = 0.0
-    log_prob_micro_batch_size_per_device: int = 16
+    entropy_coeff: float = bounded(0.0, "finite")  # < 0 minimises the entropy
+    log_prob_micro_batch_size_per_device: int = bounded(16, ">= 1")
     # With one epoch and one mini-batch per step the update is exactly on-policy: the old log-probs
     # equal the first forward's, so the separate compute_log_prob pass is skipped (and the
     # engine/trainer log-prob agreement is measured inside update_actor instead).
@@ -50,12 +51,12 @@ class ActorConfig:
     use_remove_padding: str = "auto"  # auto | true | false
     # Dynamic micro-batches: instead of a fixed count, pack rows up to a token budget per forward
     # (0 = off: use the fixed ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device).
-    ppo_max_token_len_per_device: int = 0
-    log_prob_max_token_len_per_device: int = 0
+    ppo_max_token_len_per_device: int = bounded(0, ">= 0", "0: off")
+    log_prob_max_token_len_per_device: int = bounded(0, ">= 0", "0: off")
     # Ulysses sequence parallelism: each group of this many consecutive ranks shares every packed row
     # (1/P of the tokens each; all-to-all around attention). Must divide world_size and the model's
     # attention heads; needs use_remove_padding. Applies to the actor and the reference policy.
-    ulysses_sequence_parallel_size: int = 1
+    ulysses_sequence_parallel_size: int = bounded(1, ">= 1")
     offload_params: bool = False  # GPU only: keep params on CPU between phases (deepspeed: = deepspeed.offload)
     offload_optimizer: bool = False  # GPU only: keep optimizer state on CPU between phases (deepspeed: = adam_offload)
     # Vision-language models: keep the vision tower (and its patch merger) fixed; only the language
@@ -72,12 +73,12 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     # The value head starts at zero; at the backbone's small LR it would need hundreds of steps to
     # reach the reward scale, so it has its own LR (null: optim.lr).
-    head_lr: Optional[float] = 1e-3
-    ppo_mini_batch_size: Optional[int] = None  # prompts per optimiser step; default actor.ppo_mini_batch_size
-    ppo_micro_batch_size_per_device: int = 4  # sequences per forward/backward
-    forward_micro_batch_size_per_device: int = 16  # sequences per forward in compute_values
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5  # value clipping around the old values; 0 disables
+    head_lr: Optional[float] = bounded(1e-3, "> 0")
+    ppo_mini_batch_size: Optional[int] = bounded(None, ">= 1")  # prompts per optimiser step; default actor.ppo_mini_batch_size
+    ppo_micro_batch_size_per_device: int = bounded(4, ">= 1")  # sequences per forward/backward
+    forward_micro_batch_size_per_device: int = bounded(16, ">= 1")  # sequences per forward in compute_values
+    ppo_epochs: int = bounded(1, ">= 1")
+    cliprange_value: float = bounded(0.5, ">= 0", "0 disables clipping")  # value clipping around the old values
     loss_agg_mode: str = "token-mean"
 
 
@@ -111,12 +112,6 @@ def strategy_known(cfg, need) -> None:
          f"'{cfg.actor.strategy}' is not a training engine here ({', '.join(ENGINES)}). Fix: actor.strategy=fsdp")
 
 
-def world_size_positive(cfg, need) -> None:
-    need(cfg.actor.world_size >= 1, "actor.world_size", "must be >= 1")
-
-
-def mini_batch_positive(cfg, need) -> None:
-    need(cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", "must be >= 1")
 
 
 def _batch_sizes_positive(cfg) -> bool:
@@ -143,15 +138,15 @@ def mini_batch_splits_over_ranks(cfg, need) -> None:
          f"over actor.world_size={actor.world_size} ranks. Fix: change one of them.")
     per_rank = mini_seqs // actor.world_size
     micro = actor.ppo_micro_batch_size_per_device
-    need(micro >= 1 and per_rank % max(micro, 1) == 0, "actor.ppo_micro_batch_size_per_device",
+    need(micro < 1 or per_rank % micro == 0, "actor.ppo_micro_batch_size_per_device",  # (< 1: its bound)
          f"each rank gets {per_rank} sequences per mini-batch, not a multiple of "
          f"ppo_micro_batch_size_per_device={micro}. Fix: pick a divisor of {per_rank}.")
 
 
 def ulysses_divides_world(cfg, need) -> None:
     sp, world = cfg.actor.ulysses_sequence_parallel_size, cfg.actor.world_size
-    need(sp >= 1 and world % max(sp, 1) == 0, "actor.ulysses_sequence_parallel_size",
-         f"{sp} must be >= 1 and divide actor.world_size={world}. Fix: pick a divisor of the world size.")
+    need(sp < 1 or world < 1 or world % sp == 0, "actor.ulysses_sequence_parallel_size",  # (< 1: their bounds)
+         f"{sp} must divide actor.world_size={world}. Fix: pick a divisor of the world size.")
 
 
 def ulysses_needs_packing(cfg, need) -> None:
@@ -205,7 +200,7 @@ def clip_ratios_in_range(cfg, need) -> None:
              f"{c!r}: must be a number > 1, or null to turn the dual clip off")
 
 
-CHECKS = (strategy_known, world_size_positive, mini_batch_positive, mini_batch_divides_train_batch,
+CHECKS = (strategy_known, mini_batch_divides_train_batch,
           mini_batch_splits_over_ranks, ulysses_divides_world, ulysses_needs_packing, policy_loss_registered,
           policy_loss_reads_its_keys, loss_agg_mode_known, clip_ratios_in_range)
 
@@ -239,21 +234,18 @@ def critic_mini_batch_splits(cfg, need) -> None:
         return
     critic, rollout = cfg.critic, cfg.rollout
     mini = critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
-    need(mini >= 1 and cfg.data.train_batch_size % mini == 0, "critic.ppo_mini_batch_size",
+    if mini < 1 or cfg.data.train_batch_size < 1:
+        return  # (their bounds report it)
+    need(cfg.data.train_batch_size % mini == 0, "critic.ppo_mini_batch_size",
          f"{mini} does not divide data.train_batch_size={cfg.data.train_batch_size}")
     per_rank = mini * rollout.n // max(cfg.actor.world_size, 1)
     micro = critic.ppo_micro_batch_size_per_device
-    need(micro >= 1 and per_rank % max(micro, 1) == 0, "critic.ppo_micro_batch_size_per_device",
+    need(micro < 1 or per_rank % micro == 0, "critic.ppo_micro_batch_size_per_device",
          f"each rank gets {per_rank} sequences per critic mini-batch. Fix: pick a divisor of {per_rank}.")
 
 
-def cliprange_value_nonnegative(cfg, need) -> None:
-    need(not _critic_runs(cfg) or cfg.critic.cliprange_value >= 0, "critic.cliprange_value",
-         "must be >= 0 (0 disables clipping)")
 
-
-CRITIC_CHECKS = (critic_loss_agg_mode_known, critic_model_resolves, critic_mini_batch_splits,
-                 cliprange_value_nonnegative)
+CRITIC_CHECKS = (critic_loss_agg_mode_known, critic_model_resolves, critic_mini_batch_splits)
 
 
 def skips_old_log_prob_pass(cfg) -> bool:

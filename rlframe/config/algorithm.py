@@ -10,18 +10,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from rlframe.config.checks import is_number
+from rlframe.bounds import bounded, one_of
 
 if TYPE_CHECKING:
     from rlframe.algos.advantages import EstimatorNeeds
 
 
+KL_CONTROLLERS = ("fixed", "adaptive")
+
+
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive (Ziegler et al.: steer the measured KL towards target_kl)
-    kl_coef: float = 0.001  # beta (the initial beta for adaptive)
-    target_kl: float = 0.1
-    horizon: float = 10000.0
+    type: str = one_of("fixed", KL_CONTROLLERS)  # adaptive (Ziegler et al.): steer the measured KL towards target_kl
+    kl_coef: float = bounded(0.001, ">= 0")  # beta (the initial beta for adaptive)
+    target_kl: float = bounded(0.1, "> 0")
+    horizon: float = bounded(10000.0, "> 0")
 
 
 @dataclass
@@ -29,8 +32,8 @@ class OverlongBufferConfig:
     """DAPO overlong reward shaping: a linear penalty over the last `len` tokens before the limit."""
 
     enable: bool = False
-    len: int = 16  # tokens before data.max_response_length where the penalty starts
-    penalty_factor: float = 1.0  # the penalty at the limit
+    len: int = bounded(16, ">= 1")  # tokens before data.max_response_length where the penalty starts
+    penalty_factor: float = bounded(1.0, ">= 0")  # the penalty at the limit
 
 
 @dataclass
@@ -38,7 +41,7 @@ class DynamicSamplingConfig:
     """DAPO dynamic sampling: drop groups whose rewards all agree; generate more until the batch is full."""
 
     enable: bool = False
-    max_attempts: int = 10  # rollout rounds per step before giving up with an error
+    max_attempts: int = bounded(10, ">= 1")  # rollout rounds per step before giving up with an error
 
 
 @dataclass
@@ -51,11 +54,11 @@ class PluginConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
-    turn_gamma: float = 1.0  # grpo_turn: discount per model turn of a multi-turn rollout (not per token)
+    gamma: float = bounded(1.0, "[0, 1]")
+    lam: float = bounded(1.0, "[0, 1]")
+    turn_gamma: float = bounded(1.0, "[0, 1]")  # grpo_turn: discount per model turn of a multi-turn rollout (not per token)
     use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = bounded(0.001, ">= 0", "below 0 the loss would push the policy away from the reference")
     kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 / low_var_kl | abs | mse
     whiten_advantages: bool = False  # whiten the advantages over the batch (usual for PPO with gae)
     # KL inside the reward (classic PPO-RLHF): token_level_rewards = scores - beta * kl(old policy, ref),
@@ -75,10 +78,9 @@ class AlgorithmConfig:
     # term by min(pi_old / pi_rollout, tis_cap), pi_rollout being the engine's log-probs of its samples |
     # none | auto: tis with trainer.async_rollout (samples from older weights), none otherwise.
     off_policy_correction: str = "auto"
-    tis_cap: float = 2.0
+    tis_cap: float = bounded(2.0, ">= 1", "a cap below 1 down-weights even on-policy tokens")
 
 
-KL_CONTROLLERS = ("fixed", "adaptive")
 PLUGIN_ERRORS = (OSError, ImportError, AttributeError, TypeError, ValueError)  # what reading a user's file raises
 
 
@@ -146,29 +148,19 @@ def turn_estimator_has_turns(cfg, need) -> None:
          "Fix: algorithm.adv_estimator=grpo, or rollout.multi_turn.enable=true")
 
 
-def turn_gamma_in_range(cfg, need) -> None:
-    turn_gamma = cfg.algorithm.turn_gamma
-    need(0.0 <= turn_gamma <= 1.0, "algorithm.turn_gamma", f"{turn_gamma}: must be in [0, 1]")
-
 
 def kl_penalty_known(cfg, need) -> None:
+    """algorithm.kl_penalty and kl_loss_type: estimators of rlframe/algos/kl.py."""
     from rlframe.algos.kl import KL_KINDS
 
-    kind = cfg.algorithm.kl_penalty
-    need(kind in KL_KINDS, "algorithm.kl_penalty", f"'{kind}' is not one of {', '.join(KL_KINDS)}")
-
-
-def kl_controller_known(cfg, need) -> None:
-    """algorithm.kl_ctrl: fixed, or adaptive with a positive target and horizon."""
-    ctrl = cfg.algorithm.kl_ctrl
-    need(ctrl.type in KL_CONTROLLERS, "algorithm.kl_ctrl.type", "must be fixed or adaptive")
-    need(ctrl.type != "adaptive" or (ctrl.target_kl > 0 and ctrl.horizon > 0),
-         "algorithm.kl_ctrl", "the adaptive controller needs target_kl > 0 and horizon > 0")
+    for key in ("kl_penalty", "kl_loss_type"):
+        kind = getattr(cfg.algorithm, key)
+        need(kind in KL_KINDS, f"algorithm.{key}", f"'{kind}' is not one of {', '.join(KL_KINDS)}")
 
 
 def overlong_buffer_within_response(cfg, need) -> None:
     buffer, length = cfg.algorithm.overlong_buffer, cfg.data.max_response_length
-    need(not buffer.enable or 0 < buffer.len <= length, "algorithm.overlong_buffer.len",
+    need(not buffer.enable or buffer.len <= length, "algorithm.overlong_buffer.len",
          f"must be in 1..data.max_response_length ({length})")
 
 
@@ -177,7 +169,6 @@ def dynamic_sampling_has_groups(cfg, need) -> None:
     sampling = cfg.algorithm.dynamic_sampling
     if not sampling.enable:
         return
-    need(sampling.max_attempts >= 1, "algorithm.dynamic_sampling.max_attempts", "must be >= 1")
     need(cfg.rollout.n >= 2, "rollout.n", "dynamic sampling drops groups whose rewards agree: set rollout.n >= 2")
 
 
@@ -188,10 +179,8 @@ def off_policy_correction_known(cfg, need) -> None:
     algo = cfg.algorithm
     need(algo.off_policy_correction in OFF_POLICY_CORRECTIONS, "algorithm.off_policy_correction",
          f"'{algo.off_policy_correction}' is not one of {', '.join(OFF_POLICY_CORRECTIONS)}")
-    need(is_number(algo.tis_cap) and algo.tis_cap >= 1.0, "algorithm.tis_cap",
-         f"{algo.tis_cap} must be a number >= 1 (a cap below 1 down-weights even on-policy tokens). Fix: 2.0")
 
 
 CHECKS = (plugins_complete, custom_estimator_reads, estimator_registered, groups_have_two_samples,
-          turn_estimator_has_turns, turn_gamma_in_range, kl_penalty_known, kl_controller_known,
+          turn_estimator_has_turns, kl_penalty_known,
           overlong_buffer_within_response, dynamic_sampling_has_groups, off_policy_correction_known)

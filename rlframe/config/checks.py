@@ -4,7 +4,10 @@
         need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
              "... Fix: make the mini-batch divide the batch.")
 
-Each section module (model.py, data.py, ...) lists its checks in `CHECKS` (rules on the config alone)
+A field's own range or choices is declared beside it (`lr: float = bounded(1e-6, "> 0")`,
+`overlong: str = one_of("filter", OVERLONG)`; rlframe/bounds.py) and checked by `declared_bounds_hold`, first;
+the named checks are the rules between fields. Each section module (model.py, data.py, ...) lists its checks in
+`CHECKS` (rules on the config alone)
 and `FOLDER_CHECKS` (`rule(cfg, need, model_dir)`: rules that read the model's folder, `model_dir`
 None when it is not on this machine yet). `problems_of` runs them and gathers every failed rule as
 "key: message"; `raise_problems` reports them all at once.
@@ -15,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from rlframe.bounds import bound_problems
 
 Need = Callable[[bool, str, str], None]  # need(condition, key, message): a problem unless condition
 Check = Callable[[Any, Need], None]  # rule(cfg, need)
@@ -36,6 +41,13 @@ def problems_of(cfg: Any, checks: Iterable[Callable], *args: Any) -> list[str]:
     for check in checks:
         check(cfg, need, *args)
     return problems
+
+
+def declared_bounds_hold(cfg: Any, need: Need) -> None:
+    """Every number within the bound declared beside its field (and finite), every enum key one of its choices."""
+    for problem in bound_problems(cfg):
+        key, message = problem.split(": ", 1)
+        need(False, key, message)
 
 
 def raise_problems(problems: list[str]) -> None:

@@ -6,22 +6,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rlframe.bounds import bounded, one_of
+
+OVERLONG = ("filter", "error", "truncate_left")  # (rlframe/data/dataset.py OVERLONG_POLICIES)
+BAD_ROWS = ("error", "skip")
+
 
 @dataclass
 class ArithmeticDataConfig:
-    n_train: int = 2000
-    n_val: int = 64
-    seed: int = 0
-    max_operand: int = 20
+    n_train: int = bounded(2000, ">= 1")
+    n_val: int = bounded(64, ">= 1")
+    seed: int = bounded(0, ">= 0")
+    max_operand: int = bounded(20, ">= 1")
 
 
 @dataclass
 class ShapesDataConfig:
     """data.source=shapes: generated pictures of coloured shapes + counting questions (rlframe/data/shapes.py)."""
-    n_train: int = 256
-    n_val: int = 32
-    seed: int = 0
-    size: int = 112  # image side in pixels (112 px = 8 x 8 patches of 14 px = 16 image tokens on Qwen2.5-VL)
+    n_train: int = bounded(256, ">= 1")
+    n_val: int = bounded(32, ">= 1")
+    seed: int = bounded(0, ">= 0")
+    size: int = bounded(112, ">= 28")  # image side in pixels (112 px = 8 x 8 patches of 14 px = 16 image tokens on Qwen2.5-VL)
 
 
 @dataclass
@@ -39,34 +44,29 @@ class DataConfig:
     # max_pixels] (width x height) is scaled into the range (aspect kept) when resize_images, else
     # one above max_pixels is an error naming file, row and field.
     image_key: str = "images"
-    min_pixels: int = 3136  # 56 x 56 (Qwen2-VL's processor default)
-    max_pixels: int = 1003520  # 1280 x 28 x 28 (Qwen2-VL's processor default)
+    min_pixels: int = bounded(3136, ">= 1")  # 56 x 56 (Qwen2-VL's processor default)
+    max_pixels: int = bounded(1003520, ">= 1")  # 1280 x 28 x 28 (Qwen2-VL's processor default)
     resize_images: bool = True
     answer_key: Optional[str] = None
-    max_prompt_length: int = 128
-    max_response_length: int = 64
-    train_batch_size: int = 8  # prompts per step
-    val_max_samples: Optional[int] = None  # null: the whole validation set; N: its first N rows
+    max_prompt_length: int = bounded(128, ">= 1")  # tokens, after the chat template
+    max_response_length: int = bounded(64, ">= 1")
+    train_batch_size: int = bounded(8, ">= 1")  # prompts per step
+    val_max_samples: Optional[int] = bounded(None, ">= 1")  # null: the whole validation set; N: its first N rows
     # A Jinja template for the user message (EasyR1's format_prompt): `{{ content }}` (also
     # `{{ prompt }}`, `{{ question }}`) is the prompt text; a file path or the template text itself.
     prompt_template: Optional[str] = None
-    overlong: str = "filter"  # filter | error | truncate_left
-    bad_rows: str = "error"  # error | skip
+    # A prompt longer than max_prompt_length: dropped (filter) | an error naming file and row | its first tokens cut
+    overlong: str = one_of("filter", OVERLONG)
+    bad_rows: str = one_of("error", BAD_ROWS)  # a malformed row: an error naming file, row and field | dropped, counted
     shuffle: bool = True
-    seed: int = 0
+    seed: int = bounded(0, ">= 0")
 
 
 SOURCES = ("arithmetic", "shapes", "files")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")  # (rlframe/data/dataset.py read_rows)
 
 
 # ------------------------------------------------------------------------------------ checks
-def train_batch_positive(cfg, need) -> None:
-    need(cfg.data.train_batch_size >= 1, "data.train_batch_size", "must be >= 1")
-
-
-def lengths_positive(cfg, need) -> None:
-    need(cfg.data.max_prompt_length > 0 and cfg.data.max_response_length > 0, "data.max_response_length",
-         "prompt and response lengths must be positive")
 
 
 def source_known(cfg, need) -> None:
@@ -75,8 +75,8 @@ def source_known(cfg, need) -> None:
 
 def pixel_range_ordered(cfg, need) -> None:
     data = cfg.data
-    need(0 < data.min_pixels <= data.max_pixels, "data.min_pixels/max_pixels",
-         f"need 0 < min_pixels <= max_pixels, got {data.min_pixels} and {data.max_pixels}. "
+    need(data.min_pixels <= data.max_pixels, "data.min_pixels/max_pixels",
+         f"need min_pixels <= max_pixels, got {data.min_pixels} and {data.max_pixels}. "
          "Fix: e.g. data.min_pixels=3136 data.max_pixels=1003520")
 
 
@@ -84,9 +84,9 @@ def shapes_fill_a_batch(cfg, need) -> None:
     data = cfg.data
     if data.source != "shapes":
         return
-    need(data.shapes.n_train >= data.train_batch_size and data.shapes.size >= 28, "data.shapes",
-         f"n_train={data.shapes.n_train} must fill one batch of data.train_batch_size={data.train_batch_size} "
-         f"and size={data.shapes.size} must be >= 28 px")
+    need(data.shapes.n_train >= data.train_batch_size, "data.shapes.n_train",
+         f"{data.shapes.n_train} pictures cannot fill one batch of data.train_batch_size={data.train_batch_size}. "
+         "Fix: raise data.shapes.n_train or lower data.train_batch_size")
 
 
 def data_files_exist(cfg, need) -> None:
@@ -97,16 +97,14 @@ def data_files_exist(cfg, need) -> None:
     need(bool(data.train_files), "data.train_files", "data.source=files needs at least one train file")
     from rlframe.data.files import is_hub_id, resolve_data_files
 
-    for f in resolve_data_files(data.train_files) + resolve_data_files(data.val_files):
-        need(Path(f).exists() or is_hub_id(f), "data.train_files/val_files",
-             f"'{f}' does not exist. Fix: create it (e.g. python examples/data_preprocess/gsm8k.py "
-             "--local_dir ~/data/gsm8k) or point the key at your file")
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        for f in resolve_data_files(files):
+            need(Path(f).exists() or is_hub_id(f), key,
+                 f"'{f}' does not exist. Fix: create it (e.g. python examples/data_preprocess/gsm8k.py "
+                 "--local_dir ~/data/gsm8k) or point the key at your file")
+            need(not Path(f).is_file() or Path(f).suffix.lower() in DATA_SUFFIXES, key,
+                 f"'{f}': unsupported data file type {Path(f).suffix!r}. Fix: one of {', '.join(DATA_SUFFIXES)}, "
+                 "a datasets save_to_disk folder or a hub id name@split")
 
 
-def val_max_samples_positive(cfg, need) -> None:
-    need(cfg.data.val_max_samples is None or cfg.data.val_max_samples >= 1, "data.val_max_samples",
-         "must be >= 1, or null for the whole validation set")
-
-
-CHECKS = (train_batch_positive, lengths_positive, source_known, pixel_range_ordered, shapes_fill_a_batch,
-          data_files_exist, val_max_samples_positive)
+CHECKS = (source_known, pixel_range_ordered, shapes_fill_a_batch, data_files_exist)

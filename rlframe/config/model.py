@@ -7,8 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlframe.config.checks import is_number, resolvable
+from rlframe.bounds import bounded, one_of
+from rlframe.config.checks import resolvable
 from rlframe.workers.engine.registry import ENGINES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
+LORA_WEIGHT_SYNC = ("merged", "adapter")
 
 
 @dataclass
@@ -18,9 +23,9 @@ class LoraConfig:
     adapters disabled (no ref model is started). LoRA usually wants a ~10x higher LR than full
     fine-tuning (actor.optim.lr). The critic (PPO) is not affected."""
 
-    rank: int = 0  # 0 = off (full fine-tuning)
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0
+    rank: int = bounded(0, ">= 0", "0: off")  # 0 = off (full fine-tuning)
+    alpha: float = bounded(16.0, "> 0")  # the update is scaled by alpha / rank
+    dropout: float = bounded(0.0, "[0, 1)")
     target_modules: Any = "all-linear"  # all-linear (every linear layer but the LM head) | [q_proj, v_proj, ...] | a regex
     exclude_modules: list[str] = field(default_factory=list)
     # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA only), the adapters in full precision.
@@ -28,7 +33,7 @@ class LoraConfig:
     # How the rollout engine gets the policy after each update: merged (W + alpha/r B A under the base
     # model's names; every engine and placement) | adapter (only A and B; the engine applies them
     # itself: vLLM's LoRA support or the HF engine's own LoRA layers; colocated placement only).
-    weight_sync: str = "merged"
+    weight_sync: str = one_of("merged", LORA_WEIGHT_SYNC)
     # lora | dora (weight-decomposed: a trained magnitude per output row) | rslora (alpha / sqrt(rank) scaling);
     # adalora and ia3 are refused (workers/engine/lora.py: adapter_kind_problem says why)
     kind: str = "lora"
@@ -37,15 +42,11 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = "smollm2-135m-instruct"  # embedded model name, HF folder, or hub id
-    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
-    attn_implementation: str = "auto"  # auto | sdpa | eager | flash_attention_2
+    dtype: str = one_of("auto", DTYPES)  # auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)
+    attn_implementation: str = one_of("auto", ATTENTION)  # auto | sdpa | eager | flash_attention_2
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-LORA_WEIGHT_SYNC = ("merged", "adapter")
 
 
 def lora_engines() -> tuple[str, ...]:
@@ -60,24 +61,10 @@ def path_resolves(cfg, need) -> None:
          "Fix: model.path=/path/to/hf_model_dir (or smollm2-135m-instruct).")
 
 
-def dtype_known(cfg, need) -> None:
-    need(cfg.model.dtype in DTYPES, "model.dtype", f"'{cfg.model.dtype}' is not one of {', '.join(DTYPES)}")
-
-
 def qlora_needs_lora(cfg, need) -> None:
     lora = cfg.model.lora
     need(lora.rank != 0 or not lora.load_in_4bit, "model.lora.load_in_4bit",
          "QLoRA trains LoRA adapters over a 4-bit base: it needs model.lora.rank > 0. Fix: model.lora.rank=16")
-
-
-def lora_values_in_range(cfg, need) -> None:
-    """rank, alpha and dropout of model.lora (when it is on)."""
-    lora = cfg.model.lora
-    if lora.rank == 0:
-        return
-    need(lora.rank > 0, "model.lora.rank", f"{lora.rank}: must be >= 0 (0 = off)")
-    need(is_number(lora.alpha) and lora.alpha > 0, "model.lora.alpha", f"{lora.alpha!r}: must be > 0")
-    need(is_number(lora.dropout) and 0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout!r}: must be in [0, 1)")
 
 
 def lora_engine_implements_it(cfg, need) -> None:
@@ -92,8 +79,6 @@ def lora_weight_sync_known(cfg, need) -> None:
     lora = cfg.model.lora
     if lora.rank == 0:
         return
-    need(lora.weight_sync in LORA_WEIGHT_SYNC, "model.lora.weight_sync",
-         f"'{lora.weight_sync}' is not one of {', '.join(LORA_WEIGHT_SYNC)}")
     need(lora.weight_sync != "adapter" or cfg.trainer.placement == "colocated", "model.lora.weight_sync",
          "adapter-only sync is for colocated engines; the disaggregated broadcast sends merged weights. "
          "Fix: model.lora.weight_sync=merged")
@@ -130,7 +115,7 @@ def qlora_has_a_gpu(cfg, need) -> None:
     need(reason is None, "model.lora.load_in_4bit", str(reason))
 
 
-CHECKS = (path_resolves, dtype_known, qlora_needs_lora, lora_values_in_range, lora_engine_implements_it,
+CHECKS = (path_resolves, qlora_needs_lora, lora_engine_implements_it,
           lora_weight_sync_known, lora_kind_supported, lora_targets_well_formed, qlora_has_a_gpu)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rlframe.bounds import bounded, one_of
 from rlframe.config.checks import resolvable
 
 
@@ -13,7 +14,7 @@ from rlframe.config.checks import resolvable
 class RewardFunctionConfig:
     path: str = "reward_fns/math.py"
     name: str = "compute_score"
-    weight: float = 1.0
+    weight: float = bounded(1.0, "finite")
     data_sources: Optional[list[str]] = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the function (verl reward_kwargs)
     # sample | sequential (per sample) | batch (EasyR1); null: from the file's REWARD_TYPE, else by signature
@@ -23,16 +24,28 @@ class RewardFunctionConfig:
 @dataclass
 class RewardConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
-    num_workers: int = 2
-    timeout_s: float = 10.0
-    batch_timeout_s: float = 300.0
-    fallback_score: float = 0.0
+    num_workers: int = bounded(2, ">= 0", "0: score in the driver process")  # processes scoring samples
+    timeout_s: float = bounded(10.0, "> 0")  # one sample's scoring
+    batch_timeout_s: float = bounded(300.0, "> 0")  # one batch's scoring
+    fallback_score: float = bounded(0.0, "finite")  # the score of a sample whose reward failed
     fail_fast: bool = False
     # Score step k's samples in a background thread while the old-log-prob / reference / critic passes run;
     # the driver joins the scores before the advantage (timing/reward_wait_s: how long it blocked there).
     # Same scores, same failure messages and counts; false: score, then run those passes (the old order).
     # Steps that need the rewards before the log-probs (DAPO's dynamic sampling) always score first.
     overlap: bool = True
+    # A reward file is first imported in a short-lived child process (before the driver imports it): an
+    # import that ends its process (os._exit) or does not finish within this many seconds is an error
+    # naming reward.functions[i], instead of a driver that exits silently or hangs.
+    import_timeout_s: float = bounded(60.0, "> 0")
+    # What a reward worker process prints (stdout + stderr) reaches the driver's log up to this many bytes
+    # per batch; the rest is dropped, with one line saying so.
+    max_output_bytes: int = bounded(65536, ">= 0")
+    # Stop the run when a reward function fails (raises, times out, returns a bad score) on more than this
+    # fraction of the samples it scores in each of max_failure_steps training batches in a row; the error
+    # names the function and its first failure. 1.0: never stop (the failed samples get fallback_score).
+    max_failure_rate: float = bounded(0.95, "[0, 1]", "1: never stop")
+    max_failure_steps: int = bounded(3, ">= 1")
 
 
 @dataclass
@@ -42,10 +55,10 @@ class RewardModelConfig:
 
     enable: bool = False
     path: str = ""
-    weight: float = 1.0
-    max_length: int = 2048
-    micro_batch_size: int = 8
-    dtype: str = "auto"
+    weight: float = bounded(1.0, "finite")
+    max_length: int = bounded(2048, ">= 1")
+    micro_batch_size: int = bounded(8, ">= 1")
+    dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))
     trust_remote_code: bool = False
 
 
@@ -56,7 +69,9 @@ def reward_functions_load(cfg, need) -> None:
     from rlframe.reward.loader import RewardLoadError, split_path_name
     from rlframe.reward.manager import RewardSpec, validate_reward_specs
 
-    need(bool(cfg.reward.functions), "reward.functions", "no reward function. Fix: reward.functions=[{path: reward_fns/math.py}]")
+    need(bool(cfg.reward.functions) or reward_comes_from_elsewhere(cfg), "reward.functions",
+         "no reward function (and no multi-turn environment or reward model giving the reward). "
+         "Fix: reward.functions=[{path: reward_fns/math.py}]")
     for i, fn in enumerate(cfg.reward.functions):
         fn.path, fn.name = split_path_name(fn.path, fn.name)  # EasyR1's file.py:function
         if not Path(fn.path).exists():
@@ -65,9 +80,16 @@ def reward_functions_load(cfg, need) -> None:
             continue
         try:
             validate_reward_specs([RewardSpec(path=fn.path, name=fn.name, weight=fn.weight, data_sources=fn.data_sources,
-                                              kwargs=dict(fn.kwargs), reward_type=fn.reward_type)])
+                                              kwargs=dict(fn.kwargs), reward_type=fn.reward_type)],
+                                  import_timeout_s=cfg.reward.import_timeout_s)
         except (RewardLoadError, ValueError) as error:
             need(False, f"reward.functions[{i}]", str(error))
+
+
+def reward_comes_from_elsewhere(cfg) -> bool:
+    """No reward function is needed when a multi-turn environment or a reward model gives the reward."""
+    mt = cfg.rollout.multi_turn
+    return bool(mt.enable and mt.environment.path) or bool(cfg.reward_model.enable)
 
 
 def reward_model_resolves(cfg, need) -> None:

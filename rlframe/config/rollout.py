@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rlframe.bounds import bounded, one_of
+
+ENGINES = ("auto", "vllm", "hf")
+TURN_REWARDS = ("final", "per_turn")
+
 
 @dataclass
 class ToolConfig:
@@ -25,15 +30,16 @@ class MultiTurnConfig:
     (data.max_response_length, model + tool tokens). Tool tokens are context, never trained on."""
 
     enable: bool = False
-    tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig()])
-    max_turns: int = 3
-    max_tokens_per_turn: int = 0  # a model turn's cap (0: the remaining budget); a cut turn is still parsed
-    max_tool_response_tokens: int = 64  # an observation is cut to this many tokens
-    tool_timeout_s: float = 5.0  # a call that takes longer becomes a timeout error the model sees
+    # No default tool: name each one (an environment alone needs none)
+    tools: list[ToolConfig] = field(default_factory=list)
+    max_turns: int = bounded(3, ">= 1")
+    max_tokens_per_turn: int = bounded(0, ">= 0", "0: no cap")  # a model turn's cap (0: the remaining budget); a cut turn is still parsed
+    max_tool_response_tokens: int = bounded(64, ">= 1")  # an observation is cut to this many tokens
+    tool_timeout_s: float = bounded(5.0, "> 0")  # a call that takes longer becomes a timeout error the model sees
     format: str = "hermes"  # tool-call parser: hermes (<tool_call>{json}</tool_call>) | tag (<name>text</name>)
     #                         | path/to/parser.py:function (text, tools) -> list[ToolCall]
     tool_prompt: bool = True  # a system message describing the tools, in front of each prompt
-    tool_prompt_tokens: int = 256  # room for it in the engine's max_model_len
+    tool_prompt_tokens: int = bounded(256, ">= 0")  # room for it in the engine's max_model_len
     # An environment (class with reset(row) and step(model_text) -> (observation, reward, done)) judges
     # each model turn without a tool call: its observation becomes the next user message; the sum of its
     # rewards is added to the score (outcome reward on the last model token).
@@ -41,7 +47,7 @@ class MultiTurnConfig:
     # where the environment's per-turn rewards go: final (their sum on the last model token, with the outcome
     # reward) | per_turn (each on the last token of the turn it judged; same total, so grpo/rloo see no change,
     # gae and reinforce_plus_plus with gamma < 1 credit each turn, and grpo_turn with turn_gamma < 1)
-    turn_rewards: str = "final"
+    turn_rewards: str = one_of("final", TURN_REWARDS)
 
 
 @dataclass
@@ -57,49 +63,46 @@ class PartialRolloutConfig:
     enable: bool = False
     # New tokens per response per generation call; 0: ceil(data.max_response_length / span), where span =
     # max_token_staleness - trainer.max_staleness (0 when synchronous) + 1 is the steps a response may take.
-    max_tokens_per_round: int = 0
+    max_tokens_per_round: int = bounded(0, ">= 0", "0: the smallest budget the staleness bound allows")
     # A group is trained only while every token is at most this many policy versions behind the trainer;
     # older held-back groups are restarted from their prompt (partial/restarted_groups). >= max_staleness + 1.
-    max_token_staleness: int = 2
+    max_token_staleness: int = bounded(2, ">= 1")
     # Prompt batches kept in flight beyond the one a step trains (over-sampling): the held-back pool.
-    oversample_batches: int = 1
+    oversample_batches: int = bounded(1, ">= 1", "a step trains one batch of finished groups; at least one more must be "
+                                                "in flight to hold responses back")
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "auto"  # auto (vllm when installed, else hf) | vllm | hf
-    n: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    val_temperature: float = 0.0  # greedy validation
+    engine: str = one_of("auto", ENGINES)  # auto (vllm when installed, else hf) | vllm | hf
+    n: int = bounded(4, ">= 1")  # samples per prompt
+    temperature: float = bounded(1.0, ">= 0", "0: greedy")
+    top_p: float = bounded(1.0, "(0, 1]")
+    top_k: int = bounded(-1, ">= -1", "-1 or 0: off")
+    val_temperature: float = bounded(0.0, ">= 0", "0: greedy validation")
     # Seed every training sample's sampling from (trainer.seed, step, prompt uid, sample index), so that a
     # resumed run samples the same tokens with vLLM (whose engine RNG is not checkpointed) as without
     # the interruption. Costs vLLM a per-request generator in its sampler (small on CPU; on GPU at
     # thousands of concurrent requests, turn it off if exact resume does not matter to you).
     seed_each_sample: bool = True
-    gpu_memory_utilization: float = 0.4
-    cpu_kv_cache_gib: float = 1.0  # vLLM CPU KV cache (fractions allowed; pages released between generations)
+    gpu_memory_utilization: float = bounded(0.4, "(0, 1]")
+    cpu_kv_cache_gib: float = bounded(1.0, "> 0")  # vLLM CPU KV cache (fractions allowed; pages released between generations)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # GPU only: CPU generators cannot rewind after a partial prefill
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = bounded(4096, ">= 1")
     enable_sleep_mode: bool = True  # GPU only: free engine memory while the trainer trains
     enforce_eager: bool = True
     # Disaggregated placement (trainer.placement=disaggregated): data-parallel engines on their own
     # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.
-    world_size: Optional[int] = None
-    weight_bucket_mb: int = 64  # bucket size of that broadcast
+    world_size: Optional[int] = bounded(None, ">= 1")
+    weight_bucket_mb: int = bounded(64, ">= 1")  # bucket size of that broadcast
     # Tensor-parallel vLLM: each engine spans this many consecutive ranks (colocated: of the actor's
     # world; disaggregated: of rollout.world_size), for policies too large for one device's engine.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, ">= 1")
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     # `rollout.agent` is another name for `rollout.multi_turn` (read into it by rlframe.main before validation)
     agent: Optional[dict[str, Any]] = None
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
-
-
-ENGINES = ("auto", "vllm", "hf")
-TURN_REWARDS = ("final", "per_turn")
 
 
 def partial_tokens_per_round(cfg) -> int:
@@ -116,12 +119,6 @@ def partial_span_steps(cfg) -> int:
 
 
 # ------------------------------------------------------------------------------------ checks
-def engine_known(cfg, need) -> None:
-    need(cfg.rollout.engine in ENGINES, "rollout.engine", f"'{cfg.rollout.engine}' is not one of {', '.join(ENGINES)}")
-
-
-def n_positive(cfg, need) -> None:
-    need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
 
 
 def tensor_parallel_divides_engine_ranks(cfg, need) -> None:
@@ -129,8 +126,8 @@ def tensor_parallel_divides_engine_ranks(cfg, need) -> None:
     rollout, actor, colocated = cfg.rollout, cfg.actor, cfg.trainer.placement == "colocated"
     tp = rollout.tensor_parallel_size
     engine_ranks = actor.world_size if colocated else (rollout.world_size or actor.world_size)
-    need(tp >= 1 and engine_ranks % max(tp, 1) == 0, "rollout.tensor_parallel_size",
-         f"{tp} must be >= 1 and divide the {engine_ranks} ranks that run rollout engines "
+    need(tp < 1 or engine_ranks < 1 or engine_ranks % tp == 0, "rollout.tensor_parallel_size",  # (< 1: bounds)
+         f"{tp} must divide the {engine_ranks} ranks that run rollout engines "
          f"({'actor.world_size' if colocated else 'rollout.world_size'}). Fix: a divisor of it")
 
 
@@ -150,28 +147,10 @@ def tensor_parallel_supported(cfg, need) -> None:
 def world_size_fits_placement(cfg, need) -> None:
     """rollout.world_size: >= 1; in colocated placement the actor's (the engines share its devices)."""
     rw = cfg.rollout.world_size
-    need(rw is None or rw >= 1, "rollout.world_size", "must be >= 1")
     need(rw is None or cfg.trainer.placement == "disaggregated" or rw == cfg.actor.world_size, "rollout.world_size",
          "in colocated placement the engines share the actor's devices (rollout.world_size = actor.world_size). "
          "Fix: drop rollout.world_size, or trainer.placement=disaggregated")
 
-
-def weight_bucket_positive(cfg, need) -> None:
-    need(cfg.rollout.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", "must be >= 1")
-
-
-def multi_turn_limits(cfg, need) -> None:
-    """rollout.multi_turn's turn, token and time limits, and where per-turn rewards go."""
-    mt = cfg.rollout.multi_turn
-    if not mt.enable:
-        return
-    need(mt.max_turns >= 1, "rollout.multi_turn.max_turns", "must be >= 1")
-    need(mt.max_tokens_per_turn >= 0, "rollout.multi_turn.max_tokens_per_turn", "must be >= 0 (0 = no cap)")
-    need(mt.max_tool_response_tokens >= 1, "rollout.multi_turn.max_tool_response_tokens", "must be >= 1")
-    need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0")
-    need(mt.tool_prompt_tokens >= 0, "rollout.multi_turn.tool_prompt_tokens", "must be >= 0")
-    need(mt.turn_rewards in TURN_REWARDS, "rollout.multi_turn.turn_rewards",
-         f"'{mt.turn_rewards}' is not final or per_turn. Fix: rollout.multi_turn.turn_rewards=per_turn")
 
 
 def multi_turn_one_rank_per_engine(cfg, need) -> None:
@@ -209,6 +188,21 @@ def multi_turn_files_load(cfg, need) -> None:
             need(False, f"rollout.multi_turn.tools[{i}]", str(error))
 
 
+def tag_format_tools_take_one_argument(cfg, need) -> None:
+    """`format: tag` passes a call's text as one argument: a tool that requires more is refused here."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable or mt.format != "tag":
+        return
+    from rlframe.workers.rollout.tools import ToolLoadError, format_problem, load_tool
+
+    for i, tool in enumerate(mt.tools):
+        try:
+            problem = format_problem(load_tool(tool.path, tool.name), mt.format)
+        except ToolLoadError:
+            continue  # reported by multi_turn_files_load
+        need(problem is None, f"rollout.multi_turn.tools[{i}]", problem or "")
+
+
 def partial_can_continue(cfg, need) -> None:
     """What partial rollouts cannot continue: continuing a response means sending prompt + partial tokens back
     to the engine as a prompt. vLLM and HF generate take token ids; the multi-turn agent loop's turns (tool
@@ -231,18 +225,6 @@ def partial_can_continue(cfg, need) -> None:
     need(cfg.data.source != "shapes", key,
          "responses to image prompts are not continued (the engine would need the pixels and 3-D positions again). "
          "Fix: rollout.partial.enable=false")
-
-
-def partial_pool_sizes(cfg, need) -> None:
-    """rollout.partial.max_tokens_per_round >= 0 and at least one batch held back beyond the trained one."""
-    partial = cfg.rollout.partial
-    if not partial.enable:
-        return
-    need(partial.max_tokens_per_round >= 0, "rollout.partial.max_tokens_per_round",
-         f"{partial.max_tokens_per_round} must be >= 0 (0: the smallest budget the staleness bound allows)")
-    need(partial.oversample_batches >= 1, "rollout.partial.oversample_batches",
-         f"{partial.oversample_batches}: a step trains one batch of finished groups; at least one more batch must be in "
-         "flight to hold responses back. Fix: rollout.partial.oversample_batches=1")
 
 
 def partial_staleness_bounds(cfg, need) -> None:
@@ -269,9 +251,9 @@ def partial_staleness_bounds(cfg, need) -> None:
          "raise rollout.partial.max_token_staleness")
 
 
-CHECKS = (engine_known, n_positive, tensor_parallel_divides_engine_ranks, tensor_parallel_supported,
-          world_size_fits_placement, weight_bucket_positive, multi_turn_limits, multi_turn_one_rank_per_engine,
-          multi_turn_files_load, partial_can_continue, partial_pool_sizes, partial_staleness_bounds)
+CHECKS = (tensor_parallel_divides_engine_ranks, tensor_parallel_supported, world_size_fits_placement,
+          multi_turn_one_rank_per_engine, multi_turn_files_load, tag_format_tools_take_one_argument,
+          partial_can_continue, partial_staleness_bounds)
 
 
 # ---------------------------------------------------------------------- checks on the model folder

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from rlframe.bounds import bounded
 from rlframe.config.gates import CHECKS as GATE_CHECKS
 from rlframe.config.gates import GatesConfig
 from rlframe.workers.engine.registry import ENGINES
@@ -13,11 +14,11 @@ from rlframe.workers.engine.registry import ENGINES
 
 @dataclass
 class TimeoutConfig:
-    rollout: float = 1800.0
-    log_prob: float = 1800.0
-    update: float = 3600.0
-    weight_sync: float = 600.0
-    init: float = 900.0
+    rollout: float = bounded(1800.0, "> 0")  # seconds
+    log_prob: float = bounded(1800.0, "> 0")
+    update: float = bounded(3600.0, "> 0")
+    weight_sync: float = bounded(600.0, "> 0")
+    init: float = bounded(900.0, "> 0")
 
 
 @dataclass
@@ -30,10 +31,10 @@ class RuntimeEnvConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 20
+    total_steps: int = bounded(20, ">= 1")
     # Passes over the training data (verl/EasyR1 total_epochs); set, it replaces total_steps with
     # total_epochs x (training rows // data.train_batch_size).
-    total_epochs: Optional[int] = None
+    total_epochs: Optional[int] = bounded(None, ">= 1", "null: run trainer.total_steps steps")
     run_dir: Optional[str] = None  # default: runs/<experiment_name>-<timestamp>
     project_name: str = "rlframe"
     experiment_name: str = "grpo_math"
@@ -43,28 +44,28 @@ class TrainerConfig:
     # Reorder each batch so every data-parallel rank gets a near-equal number of tokens (a greedy
     # equal-count partition; the spread is at most one sequence's length) before it is split.
     balance_batch: bool = True
-    val_every: int = 0  # 0: only before and after training
-    seed: int = 0
+    val_every: int = bounded(0, ">= 0", "0: only before and after training")
+    seed: int = bounded(0, ">= 0")
     device: str = "auto"  # auto | cpu | cuda
-    num_cpus: Optional[int] = None  # CPUs given to a local Ray cluster (default: all cores)
-    cpus_per_worker: Optional[float] = None  # default: num_cpus / actor.world_size
+    num_cpus: Optional[int] = bounded(None, ">= 1", "null: all cores")  # CPUs given to a local Ray cluster
+    cpus_per_worker: Optional[float] = bounded(None, "> 0")  # default: num_cpus / actor.world_size
     ray_address: Optional[str] = None
     # Multi-node placement (rlframe/trainer/launch.py, examples/multinode.md). colocated: actor,
     # rollout and ref share every device; disaggregated: rollout engines on their own devices (nodes).
     placement: str = "colocated"  # colocated | disaggregated
-    nnodes: int = 1
-    devices_per_node: Optional[int] = None  # GPUs (or CPU slots of cpus_per_worker) per node; None: legacy one-node pool
+    nnodes: int = bounded(1, ">= 1")
+    devices_per_node: Optional[int] = bounded(None, ">= 1")  # GPUs (or CPU slots of cpus_per_worker) per node; None: legacy one-node pool
     # Optional node pinning: one custom Ray resource per node (ray start --resources='{"node_a": 1}');
     # node i's bundles go to the node that has node_resources[i]. Empty: Ray node ids picked by the driver.
     node_resources: list[str] = field(default_factory=list)
     runtime_env: RuntimeEnvConfig = field(default_factory=lambda: RuntimeEnvConfig())
     export_hf: bool = True
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
-    critic_warmup: int = 0  # PPO: the first N steps train only the critic (the actor is not updated)
+    critic_warmup: int = bounded(0, ">= 0")  # PPO: the first N steps train only the critic (the actor is not updated)
     # Checkpoints (<run_dir>/checkpoints/step_N, see rlframe/trainer/checkpoint.py): every
     # `save_every` steps and at the last step; 0 = none at all.
-    save_every: int = 0
-    max_checkpoints_to_keep: int = 2  # older complete checkpoints are deleted; 0 = keep all
+    save_every: int = bounded(0, ">= 0", "0: no checkpoints")
+    max_checkpoints_to_keep: int = bounded(2, ">= 0", "0: keep all")  # older complete checkpoints are deleted
     # full: every rank's shard gathered into one HF safetensors file + a full optimizer file (loads in
     # transformers as it is; needs the whole model in one rank's CPU memory) | sharded: each rank writes
     # its own shards with torch.distributed.checkpoint (no gather: for models that do not fit one
@@ -73,20 +74,28 @@ class TrainerConfig:
     # auto: continue from the newest complete checkpoint in run_dir (a fresh start when there is
     # none) | disable: always start fresh | a path to one checkpoint folder (step_N).
     resume: str = "auto"
+    # A run that starts fresh (resume=disable, a checkpoint from elsewhere, or auto where no checkpoint is
+    # usable) in a run_dir where an earlier run left steps (checkpoints, metrics.jsonl):
+    # refuse (an error naming what is there) | move_aside (move that run's output into
+    # <run_dir>/previous/<UTC time>/ first). rlframe/trainer/run_dir.py
+    fresh_start: str = "refuse"
+    # Data-stream keys (batch size, rollout.n, data files, seeds; run_dir.DATA_STREAM) allowed to differ from
+    # the resumed checkpoint's config.yaml, e.g. [data.train_batch_size]; other changes are only listed.
+    resume_allow_changes: list[str] = field(default_factory=list)
     # A dead or stuck worker: tear the worker groups down, start new ones and resume from the
     # latest checkpoint, at most this many times per run (0 = stop with the error).
-    max_restarts: int = 0
+    max_restarts: int = bounded(0, ">= 0")
     # Non-finite loss or gradient norm: the optimiser step is skipped; after this many in a row
     # the run stops naming the step and micro-batch.
-    max_consecutive_skipped_updates: int = 3
+    max_consecutive_skipped_updates: int = bounded(3, ">= 1")
     # The pre-flight memory plan (rlframe/plan.py, `python -m rlframe.plan`), printed before workers
     # start: error = refuse a plan that does not fit (naming the role, device and settings that fit) |
     # warn = print the problem and run | off = no plan.
     memory_check: str = "error"
-    device_memory_gib: Optional[float] = None  # one device's memory for the plan (default: measured here)
+    device_memory_gib: Optional[float] = bounded(None, "> 0", "null: measured on this machine")  # one device's memory for the plan (default: measured here)
     # One device's peak TFLOP/s for perf/mfu (default: the datasheet bf16 figure of known GPUs, the
     # fp32 matmul rate measured at start on CPU).
-    device_peak_tflops: Optional[float] = None
+    device_peak_tflops: Optional[float] = bounded(None, "> 0")
     # One-step off-policy training (disaggregated placement): the engines generate step k+1's batch while
     # the trainer updates on step k's; the weights reach the engines between steps. Each sample records
     # the version of the weights that generated it (policy_version = updates applied); the staleness
@@ -95,7 +104,7 @@ class TrainerConfig:
     # Ray's object store and loaded by the engines between generations, so the trainer never waits for them to
     # finish generating). Corrected by algorithm.off_policy_correction.
     async_rollout: bool = False
-    max_staleness: int = 1
+    max_staleness: int = bounded(1, ">= 0", "0: after each sync, as the synchronous loop; k: k steps ahead")
     # Checks on every RL step that warn about or stop a run that silently broke (rlframe/config/gates.py).
     gates: GatesConfig = field(default_factory=GatesConfig)
 
@@ -131,39 +140,37 @@ def checkpoint_format_supported(cfg, need) -> None:
 def memory_check_known(cfg, need) -> None:
     t = cfg.trainer
     need(t.memory_check in MEMORY_CHECKS, "trainer.memory_check", f"'{t.memory_check}' is not one of {', '.join(MEMORY_CHECKS)}")
-    need(t.device_memory_gib is None or t.device_memory_gib > 0, "trainer.device_memory_gib",
-         "must be > 0 GiB (or null: measured on this machine)")
 
 
-def length_and_device_known(cfg, need) -> None:
-    """trainer.total_epochs / total_steps >= 1 and trainer.device one of auto, cpu, cuda."""
-    t = cfg.trainer
-    need(t.total_epochs is None or t.total_epochs >= 1, "trainer.total_epochs",
-         "must be >= 1, or null to run trainer.total_steps steps")
-    need(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
-    need(t.device in DEVICES, "trainer.device", "must be auto, cpu or cuda")
+def device_known(cfg, need) -> None:
+    need(cfg.trainer.device in DEVICES, "trainer.device", "must be auto, cpu or cuda")
+
+
+def run_dir_is_a_folder(cfg, need) -> None:
+    """trainer.run_dir: a folder (made when missing), not a file."""
+    run_dir = cfg.trainer.run_dir
+    path = Path(run_dir).expanduser() if run_dir else None
+    need(path is None or not path.exists() or path.is_dir(), "trainer.run_dir",
+         f"'{run_dir}' is a file, not a folder. Fix: trainer.run_dir=<a new or existing folder>")
 
 
 def checkpoint_schedule_valid(cfg, need) -> None:
-    """save_every, how many checkpoints are kept, where a run resumes from, restarts and skipped updates."""
+    """Where a run resumes from; restarts need checkpoints (the counts are bounded beside their fields)."""
     t = cfg.trainer
-    need(t.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = no checkpoints)")
-    need(t.max_checkpoints_to_keep >= 0, "trainer.max_checkpoints_to_keep", "must be >= 0 (0 = keep all)")
     need(t.resume in ("auto", "disable") or Path(t.resume).is_dir(), "trainer.resume",
          f"'{t.resume}' is neither auto, disable nor an existing checkpoint folder. "
          "Fix: trainer.resume=auto or trainer.resume=<run_dir>/checkpoints/step_N")
-    need(t.max_restarts >= 0, "trainer.max_restarts", "must be >= 0")
+    need(t.fresh_start in ("refuse", "move_aside"), "trainer.fresh_start",
+         f"'{t.fresh_start}' is not one of refuse, move_aside")
     need(t.max_restarts == 0 or t.save_every > 0, "trainer.max_restarts",
          "restarts resume from a checkpoint. Fix: set trainer.save_every >= 1 too")
-    need(t.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates", "must be >= 1")
 
 
 def critic_warmup_has_a_critic(cfg, need) -> None:
     from rlframe.config.algorithm import run_estimator_needs
 
     warmup = cfg.trainer.critic_warmup
-    need(warmup >= 0, "trainer.critic_warmup", "must be >= 0")
-    need(warmup == 0 or run_estimator_needs(cfg).critic, "trainer.critic_warmup",
+    need(warmup <= 0 or run_estimator_needs(cfg).critic, "trainer.critic_warmup",
          "only PPO with a critic (algorithm.adv_estimator=gae) has a critic to warm up. Fix: trainer.critic_warmup=0")
 
 
@@ -171,13 +178,10 @@ def placement_fits_nodes(cfg, need) -> None:
     """Placement keys (the cluster itself is checked when the workers start, before any of them does)."""
     t = cfg.trainer
     need(t.placement in PLACEMENTS, "trainer.placement", f"'{t.placement}' is not one of {', '.join(PLACEMENTS)}")
-    need(t.nnodes >= 1, "trainer.nnodes", "must be >= 1")
-    need(t.devices_per_node is None or t.devices_per_node >= 1, "trainer.devices_per_node", "must be >= 1")
     need(t.nnodes == 1 or t.devices_per_node is not None, "trainer.devices_per_node",
          f"trainer.nnodes={t.nnodes} needs the devices of each node. Fix: trainer.devices_per_node=<GPUs per node>")
     need(not t.node_resources or len(t.node_resources) == t.nnodes, "trainer.node_resources",
          f"gives {len(t.node_resources)} resource names for trainer.nnodes={t.nnodes}. Fix: one per node")
-    need(t.cpus_per_worker is None or t.cpus_per_worker > 0, "trainer.cpus_per_worker", "must be > 0")
     if t.devices_per_node is not None and t.nnodes >= 1 and t.placement in PLACEMENTS:
         have = t.nnodes * t.devices_per_node
         need(devices_needed(cfg) <= have, "trainer.devices_per_node",
@@ -185,13 +189,6 @@ def placement_fits_nodes(cfg, need) -> None:
              + (f"(actor.world_size={cfg.actor.world_size} + rollout.world_size={rollout_world_size(cfg)})"
                 if t.placement == "disaggregated" else f"(actor.world_size={cfg.actor.world_size})")
              + f" but trainer.nnodes x trainer.devices_per_node = {have}. Fix: raise one of them or lower the world sizes")
-
-
-def staleness_whole(cfg, need) -> None:
-    staleness = cfg.trainer.max_staleness
-    need(isinstance(staleness, int) and staleness >= 0, "trainer.max_staleness",
-         f"{staleness}: the steps the asynchronous loop generates ahead must be a whole number >= 0 (0: after "
-         "each sync, as the synchronous loop; 1: one step ahead; k: k steps ahead). Fix: trainer.max_staleness=1")
 
 
 def async_rollout_can_run_ahead(cfg, need) -> None:
@@ -220,6 +217,6 @@ def loggers_known(cfg, need) -> None:
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
 
 
-CHECKS = (checkpoint_format_supported, memory_check_known, length_and_device_known, checkpoint_schedule_valid,
-          critic_warmup_has_a_critic, placement_fits_nodes, staleness_whole, async_rollout_can_run_ahead,
+CHECKS = (checkpoint_format_supported, memory_check_known, device_known, run_dir_is_a_folder, checkpoint_schedule_valid,
+          critic_warmup_has_a_critic, placement_fits_nodes, async_rollout_can_run_ahead,
           loggers_known) + GATE_CHECKS
