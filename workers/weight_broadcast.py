@@ -216,7 +216,8 @@ def compare_checksums(trainer: dict, engine: dict, previous_trainer: dict | None
     """What a sync did, from the checksums (name -> (sum, sumsq)) of the trainer's weights and the engine's after it,
     and of both after the previous sync (None: unknown).
 
-    checked: tensors found on both sides; unequal: of those, the ones that differ (first_unequal names one);
+    streamed: the trainer's tensors; checked: those found on the engine's side too; unequal: of those, the ones that
+    differ (first_unequal names one);
     engine_changed / trainer_changed: 1 when some tensor moved since the previous sync, 0 when none did, -1 unknown.
     A healthy sync: unequal == 0, and engine_changed == 1 whenever trainer_changed == 1."""
     checked = [name for name in trainer if name in engine]
@@ -228,6 +229,7 @@ def compare_checksums(trainer: dict, engine: dict, previous_trainer: dict | None
             return -1
         return int(any(not checksum_close(now[name], before[name]) for name in common))
 
-    return {"checked": len(checked), "unequal": len(unequal), "first_unequal": unequal[0] if unequal else "",
+    return {"streamed": len(trainer), "checked": len(checked), "unequal": len(unequal),
+            "first_unequal": unequal[0] if unequal else "",
             "engine_changed": changed({n: engine[n] for n in checked}, previous_engine),
             "trainer_changed": changed(trainer, previous_trainer)}

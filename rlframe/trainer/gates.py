@@ -58,10 +58,17 @@ def logprob_gap_gate(step: int, gap: float | None, threshold: float) -> GateEven
 
 def weight_sync_gate(step: int, check: dict | None) -> GateEvent | None:
     """Fires when a sync left the engine unequal to the trainer (`check["unequal"]` > 0 of `check["checked"]`
-    tensors), or when the trainer's weights moved since the previous sync and the engine's did not
-    (trainer_changed == 1, engine_changed == 0). `check`: compare_checksums' report (None: not checked)."""
-    if not check or not check.get("checked"):
+    tensors), when the engine holds none of the streamed names (checked == 0 < streamed), or when the trainer's
+    weights moved since the previous sync and the engine's did not (trainer_changed == 1, engine_changed == 0).
+    `check`: compare_checksums' report (None: not checked)."""
+    if not check:
         return None
+    if not check.get("checked"):
+        if not check.get("streamed"):
+            return None
+        return GateEvent("weight_sync", step, "weight_sync/checksum_tensors", 0.0, float(check["streamed"]),
+                         f"none of the {check['streamed']} tensors the trainer streamed is known to the engine under "
+                         "that name: the engine loaded nothing (a model or LoRA layout the engine does not map)")
     if check["unequal"]:
         return GateEvent("weight_sync", step, "weight_sync/checksum_unequal", float(check["unequal"]), 0.0,
                          f"after the sync {check['unequal']} of {check['checked']} tensors differ between the trainer "
