@@ -15,7 +15,7 @@ BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install run test test-all docs clean
+.PHONY: install run doctor test test-all docs clean
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ $(STAMP): pyproject.toml
 
 run: install
 	$(BIN)/python -m rlframe.main $(ARGS)
+
+# Check that a configuration is wired right (config, data, template, reward, then its workers for one real
+# step) before training it: `make doctor ARGS="recipe=grpo_math_lora"`. Writes <run_dir>/doctor.json; exits 1 on a fail.
+doctor: install
+	$(BIN)/python -m rlframe.doctor $(ARGS)
 
 # The docs site is built with --strict first: a broken link or API reference fails the test (and CI).
 test: install docs

@@ -3,7 +3,12 @@
 The recipe is a YAML file in `recipes/` (or a path to one); every other argument is a Hydra
 override (`actor.optim.lr=1e-6`, `+key=value`, `~key`). The composed config is merged onto the
 typed schema in `rlframe.config` (unknown keys and wrong types are errors naming the key) and
-validated before Ray or any worker starts.
+validated before Ray or any worker starts: the configuration (`validate_config`), then the model
+folder, the memory plan and the run's data (`prepare_run`: every row read, checked and templated).
+
+Bad input of any kind (a recipe, a key, a value, a data file or row, a template, a checkpoint) ends the
+run with a one-screen `error: ...` naming the key or file and the fix, exit status 1 (USAGE_ERRORS);
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -31,8 +37,30 @@ RECIPES_DIR = shipped_dir("recipes")
 
 
 class UsageError(SystemExit):
+    """Bad input: printed as `error: <message>` (at most one screen), exit status 1."""
+
     def __init__(self, message: str):
-        super().__init__(f"error: {message}")
+        super().__init__(f"error: {one_screen(message)}")
+
+
+SCREEN_LINES = 40
+
+
+def one_screen(message: str, lines: int = SCREEN_LINES) -> str:
+    """`message` cut to `lines` lines (the rest counted), each line to 400 characters."""
+    rows = [row if len(row) <= 400 else row[:397] + "..." for row in str(message).splitlines()]
+    if len(rows) > lines:
+        rows = rows[: lines - 1] + [f"  ... and {len(rows) - lines + 1} more lines"]
+    return "\n".join(rows)
+
+
+def usage_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that mean bad input (each message names the key or file and the fix)."""
+    from rlframe.data.files import DatasetError
+    from rlframe.reward.manager import RewardError
+    from rlframe.trainer.checkpoint import CheckpointError
+
+    return (ConfigError, DatasetError, CheckpointError, RewardError)
 
 
 def available_recipes() -> list[str]:
@@ -186,10 +214,15 @@ def run(cfg: RLConfig) -> dict:
     from transformers import AutoTokenizer
 
     from rlframe.models.provision import resolve_model_path
+    from rlframe.trainer.run_dir import RunDirError, claim_run_dir, release_run_dir
+    from rlframe.trainer.signals import STOP
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.run_dir or f"runs/{cfg.trainer.experiment_name}-{stamp}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # the run directory's lock (a second run there is refused) and where this run starts, before anything is written
+        claim_run_dir(cfg, run_dir)
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     print(f"run directory: {run_dir}", flush=True)
     model_path = resolve_model_path(cfg.model.path)
@@ -200,6 +233,7 @@ def run(cfg: RLConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
     init_ray(cfg)
+    STOP.install()  # again: ray.init replaces the SIGTERM handler with one that aborts the driver
     from rlframe.controller.cluster import ClusterTooSmall, check_cluster, list_nodes, print_nodes
     from rlframe.trainer.launch import cluster_request
 
@@ -216,6 +250,7 @@ def run(cfg: RLConfig) -> dict:
         summary = trainer.fit()
     finally:
         trainer.close()
+        release_run_dir(run_dir)
     before, after = summary["val_before"], summary["val_after"]
     if before.get("val/reward_mean") is not None and after.get("val/reward_mean") is not None:
         print(f"validation reward: {before['val/reward_mean']:.3f} -> {after['val/reward_mean']:.3f}; "
@@ -228,6 +263,9 @@ def run(cfg: RLConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rlframe.reward.manager import RewardError
+    from rlframe.trainer.signals import Stopped, stop_signals
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     cfg = compose_config(argv)
@@ -235,7 +273,14 @@ def main(argv: list[str] | None = None) -> None:
         validate_config(cfg)
     except ConfigError as err:
         raise UsageError(str(err)) from None
-    run(cfg)
+    with stop_signals():  # SIGINT / SIGTERM: stop at the next safe point (between steps); a second one: at once
+        try:
+            run(cfg)
+        except Stopped as stop:
+            print(stop.summary(), flush=True)
+            raise SystemExit(stop.exit_code) from None
+        except RewardError as err:  # reward.max_failure_rate: the reward fails on nearly every sample
+            raise UsageError(str(err)) from None
 
 
 if __name__ == "__main__":
