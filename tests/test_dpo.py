@@ -178,3 +178,50 @@ def test_pairs_command_writes_scored_pairs(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(r["chosen_score"] - r["rejected_score"] >= 0.01 and r["chosen"] != r["rejected"] for r in rows)
     assert isinstance(rows[0]["prompt"], list) and rows[0]["prompt"][0]["role"] == "user"
+
+
+def test_unpaired_rows_for_kto(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlframe.stages.unpaired_data import load_unpaired
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"prompt": "What is 1 plus 1?", "completion": "2", "label": True},
+            {"prompt": "What is 1 plus 2?", "completion": "4", "label": "false"},
+            {"prompt": "What is 1 plus 3?", "chosen": "4", "rejected": "5"}]  # a pair: one row of each label
+    examples = load_unpaired([_write_jsonl(tmp_path / "kto.jsonl", rows)], tok, max_length=64)
+    assert [(e.row, e.extra["label"]) for e in examples] == [(0, True), (1, False), (2, True), (2, False)]
+    assert examples[0].response_ids[-1] == tok.eos_token_id
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [rows[0], {"prompt": "x", "completion": "y", "label": "maybe"}])
+    with pytest.raises(DatasetError, match=r"bad.jsonl, row 1: field 'label': 'maybe' is not a label"):
+        load_unpaired([bad], tok, max_length=64)
+
+
+def test_kto_and_orpo_updates_on_the_worker(tiny_model_dir):
+    """KTO at policy = reference: every row's loss is 1 - s(0) = 0.5; both objectives go down in 3 steps."""
+    from rlframe.algos.preference import sequence_log_probs
+    from rlframe.stages.data import collate_sft
+    from rlframe.stages.data import Example
+    from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker, PreferenceSettings
+
+    pairs, _ = _batch(tiny_model_dir)
+    rows = [Example(p.prompt_ids, reply, "f", i, {"label": good}) for i, p in enumerate(pairs)
+            for reply, good in ((p.chosen_ids, True), (p.rejected_ids, False))]
+    batch = collate_sft(rows, pad_token_id=0)
+    batch.batch["kto_label"] = torch.tensor([float(e.extra["label"]) for e in rows])
+    kto = PolicyTrainerWorker(_settings(tiny_model_dir), PreferenceSettings(loss_type="kto", beta=0.5))
+    token_lp = kto.engine.forward(batch, kto.settings.log_prob)["log_probs"]
+    batch.batch["ref_logps"] = sequence_log_probs(token_lp, batch.batch["response_mask"])
+    first = kto.update_dpo(batch).meta_info["metrics"]
+    assert first["dpo/loss"] == pytest.approx(0.5, abs=1e-5) and first["dpo/kl"] == pytest.approx(0.0, abs=1e-5)
+    for _ in range(3):
+        last = kto.update_dpo(batch).meta_info["metrics"]
+    assert last["dpo/loss"] < first["dpo/loss"] - 0.02 and last["dpo/rewards_chosen"] > last["dpo/rewards_rejected"]
+
+    orpo = PolicyTrainerWorker(_settings(tiny_model_dir), PreferenceSettings(loss_type="orpo", beta=0.1,
+                                                                              length_normalize=True))
+    _, pair_batch = _batch(tiny_model_dir)
+    first = orpo.update_dpo(pair_batch).meta_info["metrics"]
+    for _ in range(3):
+        last = orpo.update_dpo(pair_batch).meta_info["metrics"]
+    assert last["dpo/loss"] < first["dpo/loss"] - 0.1 and last["dpo/reward_margin"] > first["dpo/reward_margin"]

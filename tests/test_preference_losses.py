@@ -1,11 +1,12 @@
-"""DPO, IPO, SimPO, Bradley-Terry and the SFT loss against numbers computed by hand."""
+"""DPO, IPO, SimPO, ORPO, KTO, RRHF, Bradley-Terry and the SFT loss against numbers computed by hand."""
 
 import math
 
 import pytest
 import torch
 
-from rlframe.algos.preference import bradley_terry_loss, preference_loss, sequence_log_probs, sft_loss
+from rlframe.algos.preference import (bradley_terry_loss, kto_loss, preference_loss, rrhf_loss, sequence_log_probs,
+                                      sft_loss)
 
 T = torch.tensor
 
@@ -54,6 +55,36 @@ def test_reference_losses_need_the_reference():
         preference_loss(T([-1.0]), T([-3.0]), None, None, loss_type="sigmoid")
     with pytest.raises(ValueError, match="unknown preference loss"):
         preference_loss(T([-1.0]), T([-3.0]), None, None, loss_type="kto")
+
+
+def test_orpo_by_hand():
+    # mean log-probs log 0.5 and log 0.25: odds 1 and 1/3, log odds ratio log 3; s(log 3) = 3/4
+    # loss = NLL(chosen) - beta log s(log 3) = log 2 - 0.1 log 0.75
+    losses, stats = preference_loss(T([math.log(0.5)]), T([math.log(0.25)]), None, None, loss_type="orpo", beta=0.1)
+    assert losses.item() == pytest.approx(math.log(2) - 0.1 * math.log(0.75))  # 0.7219155
+    assert stats["chosen_rewards"].item() == pytest.approx(0.1 * math.log(0.5))
+
+
+def test_kto_by_hand():
+    # r = pi - ref = [1, 0, -1]; mean 0 -> z0 = 0; beta 1
+    losses, stats = kto_loss(T([-1.0, -2.0, -3.0]), T([-2.0, -2.0, -2.0]), T([1, 1, 0]), beta=1.0, undesirable_weight=2.0)
+    s1 = 1 / (1 + math.exp(-1))
+    assert losses.tolist() == pytest.approx([1 - s1, 0.5, 2 * (1 - s1)])  # 0.2689, 0.5, 0.5379
+    assert stats["kl"].item() == 0.0
+    # r = [1, 2]: z0 = 1.5; beta 2: desirable 1 - s(2 (1 - 1.5)), undesirable 1 - s(2 (1.5 - 2))
+    losses, stats = kto_loss(T([-1.0, -1.0]), T([-2.0, -3.0]), T([True, False]), beta=2.0)
+    assert losses.tolist() == pytest.approx([1 - 1 / (1 + math.e)] * 2)  # 0.7311 each
+    assert stats["kl"].item() == pytest.approx(1.5)
+    # a negative mean reward is clamped: z0 = max(0, -1) = 0
+    assert kto_loss(T([-3.0]), T([-2.0]), T([1]))[1]["kl"].item() == 0.0
+
+
+def test_rrhf_by_hand():
+    # group 0: p = [-1, -2, -0.5], q = [1, 0, 0.5]: only (q_0 > q_2, p_2 > p_0) is out of order: 0.5;
+    # best is row 0: NLL 1. Group 1: tied scores, no ranking term; best = its first row: NLL 3.
+    total, stats = rrhf_loss(T([-1.0, -2.0, -0.5, -3.0, -1.0]), T([1.0, 0.0, 0.5, 0.0, 0.0]), T([0, 0, 0, 1, 1]))
+    assert total.item() == pytest.approx(0.5 + 1.0 + 3.0)
+    assert stats["rank_loss"].item() == pytest.approx(0.5) and stats["nll_best"].item() == pytest.approx(4.0)
 
 
 def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
