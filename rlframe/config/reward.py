@@ -22,6 +22,26 @@ class RewardFunctionConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM judge (rlframe/reward/judge.py) grading each response against a rubric; its score, times
+    weight, is added to the rule rewards. Off while both model and url are empty. Wired in stage=rft."""
+
+    model: str = ""  # the judge's model (embedded name / HF folder) on its own engine; with url: the served model name
+    url: str = ""  # an OpenAI-compatible endpoint (http://host:port/v1) instead of a local engine
+    rubric: str = ""  # "" -> rlframe.reward.judge.DEFAULT_RUBRIC
+    template: str = ""  # fields {rubric} {prompt} {response} {ground_truth}; "" -> DEFAULT_TEMPLATE (a 1-10 score)
+    parser: str = ""  # "file.py:function" (judge text -> float | None); "" -> parse_score_1_to_10 ((n - 1) / 9)
+    weight: float = 1.0
+    fallback_score: float = 0.0  # the score of a judge reply that does not parse (counted)
+    max_new_tokens: int = 16
+    max_model_len: int = 1024
+    engine: str = "auto"  # the local judge's engine: auto | vllm | hf
+    batch_size: int = 64  # judge prompts per call
+    timeout_s: float = 600.0  # one call
+    api_key_env: str = "OPENAI_API_KEY"  # with url: the environment variable holding the key (may be unset)
+
+
+@dataclass
 class RewardConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
     num_workers: int = bounded(2, ">= 0", "0: score in the driver process")  # processes scoring samples
@@ -38,6 +58,7 @@ class RewardConfig:
     # import that ends its process (os._exit) or does not finish within this many seconds is an error
     # naming reward.functions[i], instead of a driver that exits silently or hangs.
     import_timeout_s: float = bounded(60.0, "> 0")
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge's reward (stage=rft)
     # What a reward worker process prints (stdout + stderr) reaches the driver's log up to this many bytes
     # per batch; the rest is dropped, with one line saying so.
     max_output_bytes: int = bounded(65536, ">= 0")
@@ -98,4 +119,30 @@ def reward_model_resolves(cfg, need) -> None:
          f"'{rm.path}' is not a model folder or hub id. Fix: reward_model.path=/path/to/rm")
 
 
-CHECKS = (reward_model_resolves, reward_functions_load)
+def judge_valid(cfg, need) -> None:
+    """reward.judge: a model or a URL, a template the judge can be asked with, a parser that loads; run where wired."""
+    judge = cfg.reward.judge
+    if not (judge.model or judge.url):
+        return
+    from rlframe.reward.judge import load_parser, template_problem
+
+    need(not judge.url or bool(judge.model), "reward.judge.model",
+         "an OpenAI-compatible endpoint needs the served model's name. Fix: reward.judge.model=<name>")
+    need(judge.url or resolvable(judge.model), "reward.judge.model",
+         f"'{judge.model}' is neither a folder, an embedded model nor a hub id. Fix: reward.judge.model=smollm2-135m-instruct "
+         "(or reward.judge.url=http://host:port/v1)")
+    problem = template_problem(judge.template) if judge.template else None
+    need(problem is None, "reward.judge.template", f"{problem}. Fix: e.g. 'Rate {{response}} for {{prompt}}: Score: <1-10>'")
+    try:
+        load_parser(judge.parser)
+    except Exception as error:
+        need(False, "reward.judge.parser", f"{error}")
+    need(judge.engine in ("auto", "vllm", "hf"), "reward.judge.engine", f"'{judge.engine}' is not auto, vllm or hf")
+    need(judge.max_new_tokens >= 1 and judge.batch_size >= 1, "reward.judge.max_new_tokens",
+         "reward.judge.max_new_tokens and batch_size must be >= 1")
+    need(cfg.stage == "rft", "reward.judge",
+         f"the judge reward is wired into stage=rft (rlframe/stages/rft.py); stage={cfg.stage} would ignore it. "
+         "Fix: stage=rft, or remove reward.judge")
+
+
+CHECKS = (reward_model_resolves, reward_functions_load, judge_valid)

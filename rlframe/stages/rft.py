@@ -10,7 +10,9 @@
     export: <run_dir>/hf_model
 
 The kept replies are the sampled token ids themselves (no re-tokenisation); a prompt whose samples all
-fall below min_score contributes nothing that round. Metrics per round: rft/kept_rows, rft/kept_prompts,
+fall below min_score contributes nothing that round. With reward.judge (rlframe/reward/judge.py) a sample's
+score is the rule rewards' + reward.judge.weight * the judge's (reward/judge_parse_failure_rate logged).
+Metrics per round: rft/kept_rows, rft/kept_prompts,
 rft/sample_score_mean, rft/sample_accuracy, timing/rft_sampling.
 """
 
@@ -25,6 +27,7 @@ import torch
 
 from rlframe.config import RLConfig
 from rlframe.data.sampler import StatefulSampler
+from rlframe.reward.judge import build_judge, prompt_text
 from rlframe.stages.common import StageTrainer, prompts_batch
 from rlframe.stages.data import Example, collate_sft
 from rlframe.stages.dpo import pair_prompts
@@ -76,6 +79,7 @@ class RFTTrainer(StageTrainer):
               f"{rft.keep_top_k or 'all'} per prompt with score >= {rft.min_score}, {rft.steps_per_round} "
               f"{rft.loss} steps of {rft.batch_size} per round ({len(self.prompts)} training prompts)", flush=True)
         self.start(val_files)
+        self.judge = build_judge(cfg, run_dir)  # its own engine (or URL); None without reward.judge
         self.sampler = None
         self.plan_run(rft.rounds * rft.steps_per_round)
 
@@ -95,7 +99,7 @@ class RFTTrainer(StageTrainer):
         start = time.perf_counter()
         self.actor_rollout.sync_weights(_timeout=cfg.trainer.timeouts.weight_sync)
         indices = self.round_prompts(round_index)
-        rows, scores_all, accuracy_all, kept_prompts = [], [], [], 0
+        rows, scores_all, accuracy_all, kept_prompts, judge_metrics = [], [], [], 0, []
         for first in range(0, len(indices), rft.generation_batch_size):
             chunk = indices[first:first + rft.generation_batch_size]
             batch = prompts_batch(self.prompts, chunk, self.pad_token_id)
@@ -106,6 +110,8 @@ class RFTTrainer(StageTrainer):
             batch = batch.union(self.actor_rollout.generate_sequences(prompts, _timeout=cfg.trainer.timeouts.rollout))
             texts = self.scorer.decode(batch)
             result, scores, _ = self.scorer.rule_and_model_scores(batch, texts)
+            if self.judge is not None:
+                scores = scores + cfg.reward.judge.weight * self.judge_scores(batch, texts, judge_metrics)
             scores = [float(s) for s in scores]
             scores_all += scores
             accuracy_all += validation_accuracy(result).tolist()
@@ -119,12 +125,26 @@ class RFTTrainer(StageTrainer):
             "rft/round": float(round_index + 1), "rft/kept_rows": float(len(rows)), "rft/kept_prompts": float(kept_prompts),
             "rft/sample_score_mean": float(np.mean(scores_all)), "rft/sample_accuracy": float(np.nanmean(accuracy_all)),
             "timing/rft_sampling": time.perf_counter() - start}
+        if judge_metrics:  # per generation batch -> the round's means
+            self.round_metrics.update({k: float(np.mean([m[k] for m in judge_metrics])) for k in judge_metrics[0]})
         unit = rft.n if rft.loss == "rrhf" else 1
         self.round_index = round_index
         self.start_round_sampler(len(rows) // unit)
         print(f"rft round {round_index + 1}: {len(indices)} prompts x {rft.n} samples, mean score "
               f"{self.round_metrics['rft/sample_score_mean']:.3f}; kept {len(rows)} rows from {kept_prompts} prompts "
               f"({self.round_metrics['timing/rft_sampling']:.0f}s)", flush=True)
+
+    def judge_scores(self, batch, texts: list[str], judge_metrics: list) -> np.ndarray:
+        """The judge's scores of the samples (parse failures: reward.judge.fallback_score, counted)."""
+        nt = batch.non_tensor_batch
+        result = self.judge.score([prompt_text(p) for p in nt["raw_prompt"]], texts, list(nt["ground_truth"]))
+        judge_metrics.append(result.metrics())
+        return result.scores
+
+    def close(self) -> None:
+        if getattr(self, "judge", None) is not None:
+            self.judge.close()
+        super().close()
 
     def start_round_sampler(self, units: int) -> None:
         """Shuffled passes over this round's rows (rrhf: groups), one index at a time; None: nothing kept."""

@@ -1,0 +1,207 @@
+"""LLM-as-judge rewards (RLAIF): a generative model grades each response against a rubric.
+
+    judge  = build_judge(cfg, run_dir)         # reward.judge: its own engine (a Ray actor) or an OpenAI-compatible URL
+    result = judge.score(prompts, responses, ground_truths)
+    score  = rule rewards + reward.judge.weight * result.scores
+
+The judge's prompt is `reward.judge.template` (the user's, or DEFAULT_TEMPLATE) with {rubric}, {prompt},
+{response} and {ground_truth} filled in; the judge answers greedily in at most max_new_tokens tokens; the
+score parser (`reward.judge.parser`, "file.py:function" taking the judge's text and returning a float or
+None, or the default `parse_score_1_to_10`: "Score: 7" -> (7 - 1) / 9) turns it into a reward. A reply
+that does not parse scores reward.judge.fallback_score and is counted: reward/judge_parse_failure_rate.
+Every judge output goes to <run_dir>/judge_outputs.jsonl (prompt, response, judge text, parsed score).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+DEFAULT_RUBRIC = ("Is the response a correct, complete answer to the problem, with the final answer given "
+                  "in \\boxed{}? 10: correct and well explained; 1: wrong or no answer.")
+DEFAULT_TEMPLATE = ("You are grading a response to a problem.\nRubric: {rubric}\n\nProblem: {prompt}\n\n"
+                    "Response: {response}\n\nGive a score from 1 to 10. Answer with 'Score: <number>' only.")
+FIELDS = ("rubric", "prompt", "response", "ground_truth")
+_SCORE = re.compile(r"score\s*[:=]?\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
+_NUMBER = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)(?![\d.])")
+
+
+def parse_score_1_to_10(text: str) -> float | None:
+    """'Score: 7' (or the first bare number) in [1, 10] -> (n - 1) / 9 in [0, 1]; None when there is none."""
+    match = _SCORE.search(text) or _NUMBER.search(text)
+    if match is None:
+        return None
+    value = float(match.group(1))
+    return (value - 1.0) / 9.0 if 1.0 <= value <= 10.0 else None
+
+
+def template_problem(template: str) -> str | None:
+    """Why `template` cannot be filled (unknown or missing fields), or None."""
+    try:
+        template.format(**{name: "" for name in FIELDS})
+    except (KeyError, IndexError, ValueError) as error:
+        return f"the template cannot be filled ({type(error).__name__}: {error}); its fields: {', '.join(FIELDS)}"
+    if "{response}" not in template:
+        return "the template has no {response} field: the judge would never see what it grades"
+    return None
+
+
+def load_parser(spec: str) -> Callable[[str], float | None]:
+    """'' -> parse_score_1_to_10; 'path/to/file.py:function' -> that function (text -> float | None)."""
+    if not spec:
+        return parse_score_1_to_10
+    from rlframe.reward.loader import _import_file, split_path_name
+
+    path, name = split_path_name(spec)
+    module = _import_file(Path(path))
+    if not name or not callable(getattr(module, name, None)):
+        raise ValueError(f"reward.judge.parser: {path} defines no function '{name}'. Fix: 'file.py:function'")
+    return getattr(module, name)
+
+
+def prompt_text(raw_prompt) -> str:
+    """The last user message of a chat prompt (or the prompt string itself)."""
+    if isinstance(raw_prompt, str):
+        return raw_prompt
+    users = [m["content"] for m in raw_prompt if m.get("role") == "user"]
+    return users[-1] if users else str(raw_prompt)
+
+
+@dataclass
+class JudgeResult:
+    scores: np.ndarray  # [B] parsed scores, fallback_score where the judge's reply did not parse
+    parsed: np.ndarray  # [B] bool
+    outputs: list[str]  # the judge's replies
+
+    def metrics(self) -> dict[str, float]:
+        ok = self.parsed
+        return {"reward/judge_parse_failure_rate": float(1.0 - ok.mean()) if len(ok) else 0.0,
+                "reward/judge_score_mean": float(self.scores[ok].mean()) if ok.any() else 0.0}
+
+
+class HTTPJudge:
+    """An OpenAI-compatible chat-completions endpoint (`reward.judge.url`, e.g. http://host:8000/v1)."""
+
+    def __init__(self, url: str, model: str, max_new_tokens: int, api_key: str = "", timeout_s: float = 60.0):
+        self.url, self.model, self.max_new_tokens = url.rstrip("/") + "/chat/completions", model, max_new_tokens
+        self.api_key, self.timeout_s = api_key, timeout_s
+
+    def generate(self, prompts: list[str]) -> list[str]:
+        return [self.one(p) for p in prompts]
+
+    def one(self, prompt: str) -> str:
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                           "max_tokens": self.max_new_tokens, "temperature": 0.0}).encode()
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+        request = urllib.request.Request(self.url, data=body, headers=headers)
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+            return json.loads(reply.read())["choices"][0]["message"]["content"] or ""
+
+
+class EngineJudge:
+    """The judge model on its own rollout engine: one Ray actor (`RolloutWorker`, vLLM or HF generate)."""
+
+    def __init__(self, rollout_settings, tokenizer, timeout_s: float):
+        import ray
+
+        from rlframe.workers.roles.rollout import RolloutWorker
+
+        self.tokenizer, self.timeout_s = tokenizer, timeout_s
+        self.actor = ray.remote(num_cpus=0)(RolloutWorker).remote(rollout_settings)
+        self.max_prompt = rollout_settings.max_model_len - rollout_settings.validation.max_new_tokens
+
+    def generate(self, prompts: list[str]) -> list[str]:
+        import ray
+        import torch
+
+        from rlframe.protocol import DataProto
+
+        ids = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)[-self.max_prompt:] for p in prompts]
+        ids = [list(i["input_ids"]) if isinstance(i, dict) else list(i) for i in ids]
+        width, pad = max(len(i) for i in ids), self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        batch = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask,
+                                             "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
+                                    meta_info={"validate": True})
+        out = ray.get(self.actor.generate_sequences.remote(batch), timeout=self.timeout_s)
+        responses, rmask = out.batch["responses"], out.batch["response_mask"]
+        return self.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, rmask)],
+                                           skip_special_tokens=True)
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+class JudgeReward:
+    """Fill the template, ask the backend, parse, log (see the module docstring)."""
+
+    def __init__(self, judge_cfg, backend, log_file: Path | None):
+        self.cfg, self.backend, self.log_file = judge_cfg, backend, log_file
+        self.parse = load_parser(judge_cfg.parser)
+        self.template = judge_cfg.template or DEFAULT_TEMPLATE
+
+    def score(self, prompts: list[str], responses: list[str], ground_truths: list) -> JudgeResult:
+        filled = [self.template.format(rubric=self.cfg.rubric or DEFAULT_RUBRIC, prompt=p, response=r,
+                                       ground_truth=g) for p, r, g in zip(prompts, responses, ground_truths)]
+        outputs = []
+        for first in range(0, len(filled), self.cfg.batch_size):
+            outputs += self.backend.generate(filled[first:first + self.cfg.batch_size])
+        values = []
+        for text in outputs:
+            try:
+                values.append(self.parse(text))
+            except Exception:  # a user parser that raises counts as a parse failure
+                values.append(None)
+        parsed = np.array([v is not None for v in values], dtype=bool)
+        scores = np.array([float(v) if v is not None else self.cfg.fallback_score for v in values], dtype=np.float64)
+        if self.log_file is not None:
+            with open(self.log_file, "a") as f:
+                for p, r, o, v in zip(prompts, responses, outputs, values):
+                    f.write(json.dumps({"time": time.time(), "prompt": p, "response": r, "judge": o, "score": v}) + "\n")
+        return JudgeResult(scores, parsed, outputs)
+
+    def close(self) -> None:
+        if hasattr(self.backend, "close"):
+            self.backend.close()
+
+
+def judge_enabled(cfg) -> bool:
+    judge = cfg.reward.judge
+    return bool(judge.model or judge.url)
+
+
+def build_judge(cfg, run_dir: Path) -> JudgeReward | None:
+    """reward.judge -> a JudgeReward on its backend (None when no judge is configured)."""
+    if not judge_enabled(cfg):
+        return None
+    judge = cfg.reward.judge
+    if judge.url:
+        import os
+
+        backend = HTTPJudge(judge.url, judge.model, judge.max_new_tokens, os.environ.get(judge.api_key_env, ""),
+                            judge.timeout_s)
+    else:
+        from transformers import AutoTokenizer
+
+        from rlframe.models.provision import resolve_model_path
+        from rlframe.trainer.worker_settings import rollout_settings
+        from rlframe.workers.settings import SamplingSettings
+
+        path = resolve_model_path(judge.model)
+        settings = rollout_settings(cfg, path)
+        device = replace(settings.device, rollout_engine=judge.engine) if judge.engine != "auto" else settings.device
+        settings = replace(settings, device=device, lora=None, multi_turn=None, max_model_len=judge.max_model_len,
+                           validation=SamplingSettings(max_new_tokens=judge.max_new_tokens, temperature=0.0))
+        backend = EngineJudge(settings, AutoTokenizer.from_pretrained(path), judge.timeout_s)
+    return JudgeReward(judge, backend, run_dir / "judge_outputs.jsonl")
