@@ -88,3 +88,15 @@ def test_an_unknown_kind_is_a_config_error_before_workers():
     with pytest.raises(ConfigError, match="model.lora.kind: DoRA adapters cannot be synced as adapters"):
         validate_config(compose_config(["recipe=grpo_math_lora", "model.lora.kind=dora", "model.lora.weight_sync=adapter"]))
     validate_config(compose_config(["recipe=grpo_math_lora", "model.lora.kind=dora"]))
+
+
+@pytest.mark.slow  # ~40 s: the LoRA recipe again, with DoRA (the recipe itself runs in test_recipes)
+def test_the_lora_rl_recipe_runs_with_dora(tiny_model_dir, tmp_path):
+    from conftest import read_metrics, run_tiny
+
+    run_dir, _ = run_tiny(tmp_path, tiny_model_dir, "grpo_math_lora", "model.lora.kind=dora", "rollout.engine=hf",
+                          "reward.functions=[{path: tests/length_reward.py, name: compute_score}]")
+    steps = [m for m in read_metrics(run_dir) if m["step"] > 0]
+    assert steps and all("actor/pg_loss" in m for m in steps)
+    gaps = [m["rollout/logprob_abs_diff"] for m in steps if "rollout/logprob_abs_diff" in m]
+    assert gaps and max(gaps) < 1e-3, gaps  # the merged DoRA weights reach the engine: the usual sync gap
