@@ -23,7 +23,7 @@ def three_checkpoint_run(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("run3")
     cfg = RLConfig()
     cfg.model.path = str(tiny_model_dir)
-    cfg.data.arithmetic.n_train, cfg.data.arithmetic.n_val, cfg.data.val_max_samples = 8, 4, 4
+    cfg.data.arithmetic.n_train, cfg.data.arithmetic.n_val, cfg.data.val_max_samples = 8, 8, 4
     cfg.data.max_response_length, cfg.rollout.engine = 8, "hf"
     cfg.reward.functions = [RewardFunctionConfig(path=str(REPO_ROOT / "reward_fns" / "math.py"))]
     text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
@@ -55,15 +55,17 @@ def test_every_checkpoint_one_row_and_the_curve(three_checkpoint_run):
 
 
 def test_starting_model_as_step_zero_and_a_missing_step(three_checkpoint_run, tmp_path):
-    """Greedy: step 3's responses, from the engine built on the starting model with step 3's weights streamed
-    in, are token for token those of an engine built on step 3 itself."""
+    """Step 3's responses, from the engine built on the starting model with step 3's weights streamed in, are
+    those of an engine built on step 3 itself (sampled with the same seed; greedy, the random models all
+    answer blank lines)."""
     run_dir = three_checkpoint_run
-    metrics = eval_main([f"run={run_dir}", "checkpoints=0,3", "bootstrap=100"])
+    metrics = eval_main([f"run={run_dir}", "checkpoints=0,3", "temperature=1.0", "bootstrap=100"])
     assert [row["step"] for row in metrics["checkpoints"]] == [0, 3]
     samples = [json.loads(line) for line in (run_dir / "eval_checkpoints_samples.jsonl").read_text().splitlines()]
     reloaded = [r["response"] for r in samples if r["step"] == 3]
     assert reloaded != [r["response"] for r in samples if r["step"] == 0]  # other weights, other answers
-    eval_main([f"run={run_dir}", f"model={run_dir / 'checkpoints' / 'step_3'}", f"out={tmp_path / 'fresh.jsonl'}"])
+    eval_main([f"run={run_dir}", f"model={run_dir / 'checkpoints' / 'step_3'}", "temperature=1.0",
+               f"out={tmp_path / 'fresh.jsonl'}"])
     fresh = [json.loads(line)["response"] for line in (tmp_path / "fresh.jsonl").read_text().splitlines()]
     assert fresh == reloaded
     with pytest.raises(EvalUsageError, match=r"error: checkpoints=7: no checkpoint step_7 .* \(saved steps: 1, 2, 3\)"):

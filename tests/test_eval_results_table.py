@@ -45,11 +45,13 @@ def test_rows_from_a_run_directory_and_kept_rows(tmp_path):
     assert cells[4] == "0.2500 [0.1000, 0.4000] -> 0.5000 [0.3000, 0.7000]"
     assert cells[5:7] == ["2.1 min", "abc1234"]
     out = tmp_path / "results.md"
-    recipes_table.write_results({"grpo_math": "| `grpo_math` | rl | 14 | a | b | c | d | e |"}, out)
+    recipes_table.write_results({"grpo_math": "| `grpo_math` | rl | 14 | a | b | c | d | e |"}, out,
+                                notes=["- `grpo_math`: figures recorded elsewhere"])
     rows = recipes_table.existing_rows(out)
     rows["sft_math"] = row
     recipes_table.write_results(rows, out)
     assert list(recipes_table.existing_rows(out)) == ["grpo_math", "sft_math"]  # the old row kept
+    assert recipes_table.existing_notes(out) == ["- `grpo_math`: figures recorded elsewhere"]  # and its note
 
 
 def test_validation_intervals_beside_unchanged_values():

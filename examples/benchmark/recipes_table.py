@@ -107,9 +107,26 @@ def existing_rows(path: Path) -> dict[str, str]:
     return rows
 
 
-def write_results(rows: dict[str, str], path: Path = RESULTS) -> None:
+def existing_notes(path: Path) -> list[str]:
+    """The notes under the table (lines starting with "- "), kept when the table is rewritten."""
+    if not path.is_file():
+        return []
+    table_seen = False
+    notes = []
+    for line in path.read_text().splitlines():
+        table_seen = table_seen or line.startswith("| recipe")
+        if table_seen and line.startswith("- "):
+            notes.append(line)
+    return notes
+
+
+def write_results(rows: dict[str, str], path: Path = RESULTS, notes: list[str] | None = None) -> None:
+    """The page: the introduction, one row per recipe (sorted), then the notes."""
+    notes = existing_notes(path) if notes is None else notes
     lines = [INTRO, HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     lines += [rows[recipe] for recipe in sorted(rows)]
+    if notes:
+        lines += [""] + notes
     path.write_text("\n".join(lines) + "\n")
 
 

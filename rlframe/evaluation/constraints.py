@@ -1,6 +1,7 @@
 """Constrained output: decoding under a regex or a JSON schema the response must match.
 
-    constrain=boxed                         the built-in: "The answer is \\boxed{N}." (BOXED_REGEX)
+    constrain=boxed                         free reasoning (no backslash), then "The answer is \\boxed{N}." (BOXED_REGEX)
+    constrain=boxed_only                    the answer line alone, no reasoning (ANSWER_REGEX)
     constrain='regex:[0-9]+'                a regular expression the whole response must match
     constrain='{"type": "object", ...}'     a JSON schema (text starting with "{", json:<text>, or a .json file)
 
@@ -24,7 +25,8 @@ import torch
 from rlframe.protocol import DataProto, build_rollout_batch
 from rlframe.workers.rollout.base import unpadded_prompts
 
-BOXED_REGEX = r"The answer is \\boxed\{-?[0-9]{1,9}(\.[0-9]{1,6})?\}\."
+ANSWER_REGEX = r"The answer is \\boxed\{-?[0-9]{1,9}(\.[0-9]{1,6})?\}\."
+BOXED_REGEX = r"[^\\]*" + ANSWER_REGEX
 
 
 class ConstraintError(ValueError):
@@ -45,6 +47,8 @@ def parse_constraint(value: str) -> Constraint:
     value = value.strip()
     if value == "boxed":
         return Constraint("regex", BOXED_REGEX)
+    if value == "boxed_only":
+        return Constraint("regex", ANSWER_REGEX)
     if value.startswith("regex:"):
         return Constraint("regex", value[len("regex:"):])
     if value.startswith("json:"):

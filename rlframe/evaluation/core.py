@@ -18,6 +18,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from rlframe.evaluation.stats import BOOTSTRAP_RESAMPLES, Estimate, Spread, per_
 # What each method is judged by (its "score" column); every gain is that minus plain's accuracy, per prompt.
 HEADLINE = {"plain": "accuracy", "cot": "accuracy", "self_consistency": "maj@{n}", "self_check": "accuracy",
             "constrained": "accuracy"}
-SELF_CHECK_PROMPT_TOKENS = 64  # room for the check instruction in the second turn's prompt
+INSTRUCTION_TOKENS = 64  # room for a method's instruction (CoT, self-check) in the prompt
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Evaluator:
     def __init__(self, cfg, model_path: str, files: list[str], options: EvalOptions):
         from transformers import AutoTokenizer
 
-        from rlframe.data.dataset import RLDataset, collate_prompts
+        from rlframe.data.dataset import RLDataset
         from rlframe.trainer.phases import PhaseClock
         from rlframe.trainer.scorer import Scorer
         from rlframe.trainer.worker_settings import rollout_settings
@@ -107,11 +108,10 @@ class Evaluator:
         tok = self.tokenizer
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.rows = [dataset[i] for i in range(self.count)]
-        self.collate = collate_prompts
         settings = rollout_settings(cfg, model_path)
-        if "self_check" in options.methods:  # the second turn's prompt holds the first answer
-            settings = dataclasses.replace(settings, max_model_len=settings.max_model_len + data.max_response_length
-                                           + SELF_CHECK_PROMPT_TOKENS)
+        if {"cot", "self_check"} & set(options.methods):  # longer prompts: an instruction (and the first answer)
+            extra = INSTRUCTION_TOKENS + (data.max_response_length if "self_check" in options.methods else 0)
+            settings = dataclasses.replace(settings, max_model_len=settings.max_model_len + extra)
         self.settings = settings
         self.pieces = turn_pieces(tok) if {"cot", "self_check"} & set(options.methods) else None
         self.compiled = None
@@ -127,8 +127,6 @@ class Evaluator:
         """Stream `model_path`'s weights into the one engine (same engine, same settings); tensors loaded."""
         from safetensors import safe_open
 
-        from pathlib import Path
-
         def tensors():
             for file in sorted(Path(model_path).glob("*.safetensors")):
                 with safe_open(str(file), framework="pt") as f:
@@ -142,15 +140,16 @@ class Evaluator:
     def generate(self, raw_prompts: list[str], seed: int, constrained: bool = False,
                  input_ids: list[list[int]] | None = None) -> Samples:
         """Generate one response per row (prompt texts already repeated n times) and score it."""
-        from rlframe.workers.rollout.base import generate_sequences
+        from rlframe.data.dataset import collate_prompts
         from rlframe.trainer.scorer import validation_accuracy
+        from rlframe.workers.rollout.base import generate_sequences
 
         n = self.options.n
         if input_ids is None:
             input_ids = self.tokenizer(raw_prompts, add_special_tokens=False)["input_ids"]
         rows = [{**self.rows[i // n], "input_ids": list(ids), "raw_prompt": text}
                 for i, (ids, text) in enumerate(zip(input_ids, raw_prompts))]
-        batch = self.collate(rows, self.pad)
+        batch = collate_prompts(rows, self.pad)
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         prompts.meta_info["validate"] = True
         prompts.non_tensor_batch["sample_seed"] = np.array([seed * 1_000_003 + i for i in range(len(rows))],
