@@ -20,8 +20,12 @@ from pathlib import Path
 # (title, [(metric key, label, dashed)]): a chart is drawn when at least one of its keys was logged.
 CHARTS: list[tuple[str, list[tuple[str, str, bool]]]] = [
     ("Reward", [("critic/score/mean", "train score", False), ("reward/score_mean", "train reward", False),
-                ("val/reward_mean", "validation reward", True), ("val/score_mean", "validation score", True)]),
-    ("Accuracy", [("critic/accuracy", "train", False), ("val/accuracy", "validation", True)]),
+                ("val/reward_mean", "validation reward", True), ("val/score_mean", "validation score", True),
+                ("val/reward_mean_ci_low", "validation reward 95% CI low", True),
+                ("val/reward_mean_ci_high", "validation reward 95% CI high", True)]),
+    ("Accuracy", [("critic/accuracy", "train", False), ("val/accuracy", "validation", True),
+                  ("val/accuracy_ci_low", "validation 95% CI low", True),
+                  ("val/accuracy_ci_high", "validation 95% CI high", True)]),
     ("Response length (tokens)", [("response_length/mean", "train mean", False), ("response_length/max", "train max", False),
                                   ("val/response_length", "validation mean", True)]),
     ("KL", [("actor/kl_loss", "KL loss (to the reference)", False), ("actor/ppo_kl", "PPO KL (to the old policy)", False),
@@ -257,6 +261,36 @@ def gates_section(run_dir: Path) -> str:
             f"{rows}</table>")
 
 
+def checkpoint_eval_section(run_dir: Path) -> str:
+    """<run>/eval_checkpoints.json (`python -m rlframe.eval run=<run> checkpoints=all`): the curve and the table."""
+    path = run_dir / "eval_checkpoints.json"
+    if not path.is_file():
+        return ""
+    data = json.loads(path.read_text())
+    rows = data.get("rows", [])
+    if not rows:
+        return ""
+    keys = ["accuracy"] + [k for k in rows[0]["metrics"] if "@" in k and "/" not in k
+                           and not k.endswith(("_ci_low", "_ci_high", "_seed_std"))]
+
+    def cell(metrics: dict, key: str) -> str:
+        low, high = metrics.get(key + "_ci_low"), metrics.get(key + "_ci_high")
+        return _fmt(metrics[key]) + (f" [{_fmt(low)}, {_fmt(high)}]" if low is not None else "")
+
+    steps = [float(r["step"]) for r in rows]
+    curve = [(label, list(zip(steps, [r["metrics"][key] for r in rows])), dashed)
+             for key, label, dashed in (("accuracy", "accuracy", False), ("accuracy_ci_low", "95% CI low", True),
+                                        ("accuracy_ci_high", "95% CI high", True))]
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in ["step", "model"] + keys)
+    body = "".join("<tr>" + f"<td class='num'>{r['step']}</td><td>{html.escape(r['model'])}</td>"
+                   + "".join(f"<td class='num'>{html.escape(cell(r['metrics'], k))}</td>" for k in keys) + "</tr>"
+                   for r in rows)
+    settings = ", ".join(f"{k}={v}" for k, v in data.get("settings", {}).items())
+    return (f"<h2>Evaluation over checkpoints</h2><p>One engine and setting for every row: {html.escape(settings)}</p>"
+            f"<div class='charts'>{line_chart('Evaluation over checkpoints: accuracy', curve)}</div>"
+            f"<table><tr>{head}</tr>{body}</table>")
+
+
 def summary_rows(steps: dict[int, dict[str, float]]) -> list[tuple[str, str]]:
     vals = [(s, m) for s, m in steps.items() if "val/reward_mean" in m]
     rows = [("steps logged", str(max((s for s in steps), default=0)))]
@@ -318,6 +352,7 @@ td.num {{ text-align: right; }} pre {{ white-space: pre-wrap; margin: 0; max-wid
 {gates_section(run_dir)}
 <h2>Curves</h2>
 <div class="charts">{''.join(charts) or '<p>No metrics logged yet.</p>'}</div>
+{checkpoint_eval_section(run_dir)}
 <h2>Sample rollouts (last validation)</h2>
 {'<table><tr><th>reward</th><th>ground truth</th><th>response</th></tr>' + sample_rows + '</table>' if samples else '<p>none written</p>'}
 {config_html}

@@ -132,3 +132,21 @@ def test_eval_reproduces_the_final_validation(tmp_path, two_step_run):
     validated = [row["response"] for row in validated if row["step"] == 2]
     evaluated = [json.loads(line)["response"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert validated and evaluated[:len(validated)] == validated  # token for token
+
+
+def test_report_shows_the_checkpoint_evaluation_and_validation_bands(tmp_path):
+    """eval_checkpoints.json (rlframe.eval checkpoints=all) becomes a curve and one table row per checkpoint;
+    logged validation intervals are drawn on the accuracy chart."""
+    run_dir = fake_run(tmp_path / "run")
+    assert "Evaluation over checkpoints" not in build_report(run_dir)
+    rows = [{"step": step, "model": f"step_{step}", "path": f"/x/step_{step}",
+             "metrics": {"accuracy": acc, "accuracy_ci_low": acc - 0.1, "accuracy_ci_high": acc + 0.1,
+                         "pass@4": acc + 0.2, "pass@4_ci_low": acc, "pass@4_ci_high": acc + 0.3}}
+            for step, acc in ((1, 0.25), (2, 0.5))]
+    (run_dir / "eval_checkpoints.json").write_text(json.dumps({"settings": {"engine": "hf", "n": 4}, "rows": rows}))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"step": 3, "val/accuracy_ci_low": 0.3, "val/accuracy_ci_high": 0.7}) + "\n")
+    html = build_report(run_dir)
+    assert ">Evaluation over checkpoints: accuracy" in html and "engine=hf, n=4" in html
+    assert html.count("<td>step_") == 2 and "0.5 [0.4, 0.6]" in html
+    assert "validation 95% CI low" in html
