@@ -72,7 +72,7 @@ def test_rft_with_the_model_as_its_own_judge(tiny_model_dir, tmp_path):
     from conftest import read_metrics, run_tiny
 
     run_dir, result = run_tiny(tmp_path, tiny_model_dir, "rft_math", "rollout.engine=hf", "rft.rounds=2",
-                               "rft.steps_per_round=1", "rft.prompts_per_round=4", "rft.n=2", "rft.batch_size=2",
+                               "rft.epochs=1", "rft.prompts_per_round=4", "rft.n=2", "rft.batch_size=2",
                                "rft.micro_batch_size=2", "rft.keep_top_k=0", "rft.min_score=-1000",
                                f"reward.judge.model={tiny_model_dir}", "reward.judge.engine=hf",
                                "reward.judge.max_new_tokens=4")

@@ -46,7 +46,21 @@ def test_rrhf_keeps_whole_groups_whose_best_reaches_min_score():
     kept = trainer.keep(_samples(), [0.0, 1.0], ["7 8", "9"], offset=0)
     assert [(e.response_ids, e.extra["score"]) for e in kept] == [([7, 8], 0.0), ([9], 1.0)]
     assert trainer.keep(_samples(), [0.0, 0.5], ["7 8", "9"], offset=0) == []
-    trainer.rows, trainer.round_index, trainer.pad_token_id = kept, 0, 0
-    trainer.start_round_sampler(1)
-    batch = trainer.training_batch()
-    assert batch.batch["rank_score"].tolist() == [0.0, 1.0] and len(batch) == 2
+    trainer.rows, trainer.pad_token_id = kept, 0
+    batches = list(trainer.round_batches(0))  # rft.epochs=2 passes over the one group
+    assert len(batches) == 2 and all(b.batch["rank_score"].tolist() == [0.0, 1.0] for b in batches)
+
+
+def test_round_batches_cover_every_kept_row_once_per_epoch():
+    from rlframe.stages.data import Example
+
+    trainer = _trainer("rft.epochs=2", "rft.batch_size=2")
+    trainer.pad_token_id = 0
+    trainer.rows = [Example([5], [i], "rollout", i, {"score": 1.0}) for i in (7, 8, 9)]
+    batches = list(trainer.round_batches(0))
+    assert [len(b) for b in batches] == [2, 1, 2, 1]  # 3 rows in steps of 2, two passes
+    for first, second in ((0, 1), (2, 3)):
+        seen = torch.cat([batches[first].batch["responses"][:, 0], batches[second].batch["responses"][:, 0]])
+        assert sorted(seen.tolist()) == [7, 8, 9]  # each pass: every kept row once
+    trainer.rows = []
+    assert list(trainer.round_batches(0)) == []  # nothing kept: no update

@@ -78,7 +78,7 @@ def rft_section_valid(cfg, need) -> None:
     need(rft.keep_top_k >= 0, "rft.keep_top_k", "must be >= 0 (0: every sample at or above rft.min_score)")
     need(rft.loss in ("sft", "rrhf"), "rft.loss", f"'{rft.loss}' is not sft or rrhf")
     need(rft.loss != "rrhf" or rft.n >= 2, "rft.n", "rft.loss=rrhf ranks the samples of a prompt: it needs rft.n >= 2")
-    need(rft.steps_per_round >= 1, "rft.steps_per_round", "must be >= 1")
+    need(rft.epochs >= 1, "rft.epochs", "must be >= 1")
     need(rft.batch_size >= world and rft.batch_size % world == 0, "rft.batch_size",
          f"{rft.batch_size} rows do not split over actor.world_size={world} ranks. Fix: a multiple of it")
     need(rft.micro_batch_size >= 1 and rft.generation_batch_size >= 1, "rft.micro_batch_size",

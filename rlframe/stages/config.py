@@ -101,20 +101,20 @@ class PretrainConfig:
 class RFTConfig:
     """stage=rft (rlframe/stages/rft.py): rejection-sampling fine-tuning (RAFT / ReST / STaR-style).
 
-    Each round: `n` samples per prompt for the next `prompts_per_round` training prompts with the rollout
-    engine, scored by reward.functions; the `keep_top_k` best of each prompt whose score is at least
-    `min_score` become SFT rows (identical replies kept once); then `steps_per_round` SFT updates of
-    `batch_size` rows drawn from that round's rows (shuffled passes). loss=rrhf trains on whole groups
-    instead: the n samples of each prompt whose best reaches min_score (the rank loss + the best's NLL)."""
+    One step of the run is one round: `n` samples per prompt for the next `prompts_per_round` training
+    prompts with the rollout engine, scored by reward.functions; the `keep_top_k` best of each prompt whose
+    score is at least `min_score` become SFT rows (identical replies kept once); then `epochs` shuffled
+    passes of SFT updates over that round's rows, `batch_size` rows per optimiser step. loss=rrhf trains on
+    whole groups instead: the n samples of each prompt whose best reaches min_score (the rank loss + the
+    best's NLL), `batch_size` groups per step."""
 
-    rounds: int = 3
+    rounds: int = 4
     n: int = 8  # samples per prompt, at rollout.temperature
     prompts_per_round: int = 64
     keep_top_k: int = 1  # per prompt, among those >= min_score (0: all above min_score)
     min_score: float = 1.0
     loss: str = "sft"  # sft: NLL of the kept replies | rrhf: ranking loss over all n + NLL of the best
-    steps_per_round: int = 4
+    epochs: int = 2  # passes over one round's rows
     batch_size: int = 8  # rows per optimiser step (rrhf: groups of n rows), over all ranks
     micro_batch_size: int = 8
     generation_batch_size: int = 64  # prompts per generation call
-    val_every: int = 0  # steps; 0: after every round (and before training)

@@ -1,11 +1,12 @@
 """stage=rft: rejection-sampling fine-tuning (RAFT, ReST/STaR-style; RRHF's ranking loss as an option).
 
-    for round in 1 .. rft.rounds:
+    for step (= round) in 1 .. rft.rounds:
         samples = actor_rollout.generate_sequences(next prompts x rft.n)   # at rollout.temperature
         scores  = scorer(samples)                                          # reward.functions
         rows    = the keep_top_k best per prompt with score >= min_score   # select_kept (loss=sft)
                   or the whole group of a prompt whose best reaches it      # (loss=rrhf)
-        rft.steps_per_round x actor_rollout.update_sft(rows)   # (rrhf: update_dpo with the ranking objective)
+        for each of rft.epochs shuffled passes, each rft.batch_size rows:
+            actor_rollout.update_sft(rows)          # one optimiser step (rrhf: update_dpo, the ranking objective)
     validate: the RL driver's generation validation after each round (val/reward_mean, val/accuracy)
     export: <run_dir>/hf_model
 
@@ -13,7 +14,8 @@ The kept replies are the sampled token ids themselves (no re-tokenisation); a pr
 fall below min_score contributes nothing that round. With reward.judge (rlframe/reward/judge.py) a sample's
 score is the rule rewards' + reward.judge.weight * the judge's (reward/judge_parse_failure_rate logged).
 Metrics per round: rft/kept_rows, rft/kept_prompts,
-rft/sample_score_mean, rft/sample_accuracy, timing/rft_sampling.
+rft/sample_score_mean, rft/sample_accuracy, rft/optimizer_steps, timing/rft_sampling. A checkpoint lands
+after a round, so a resumed run starts the next round.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import numpy as np
 import torch
 
 from rlframe.config import RLConfig
-from rlframe.data.sampler import StatefulSampler
 from rlframe.reward.judge import build_judge, prompt_text
 from rlframe.stages.common import StageTrainer, prompts_batch
 from rlframe.stages.data import Example, collate_sft
@@ -76,16 +77,15 @@ class RFTTrainer(StageTrainer):
         self.round_index = 0
         self.round_metrics: dict[str, float] = {}
         print(f"rft: {rft.rounds} rounds of {rft.prompts_per_round} prompts x {rft.n} samples, keep "
-              f"{rft.keep_top_k or 'all'} per prompt with score >= {rft.min_score}, {rft.steps_per_round} "
-              f"{rft.loss} steps of {rft.batch_size} per round ({len(self.prompts)} training prompts)", flush=True)
+              f"{rft.keep_top_k or 'all'} per prompt with score >= {rft.min_score}, then {rft.epochs} {rft.loss} "
+              f"pass(es) in steps of {rft.batch_size} ({len(self.prompts)} training prompts)", flush=True)
         self.start(val_files)
         self.judge = build_judge(cfg, run_dir)  # its own engine (or URL); None without reward.judge
-        self.sampler = None
-        self.plan_run(rft.rounds * rft.steps_per_round)
+        self.plan_run(rft.rounds)
 
     @property
     def val_every(self) -> int:
-        return self.cfg.rft.val_every or self.cfg.rft.steps_per_round
+        return 1  # after every round
 
     # ------------------------------------------------------------------ one round's data
     def round_prompts(self, round_index: int) -> list[int]:
@@ -127,9 +127,7 @@ class RFTTrainer(StageTrainer):
             "timing/rft_sampling": time.perf_counter() - start}
         if judge_metrics:  # per generation batch -> the round's means
             self.round_metrics.update({k: float(np.mean([m[k] for m in judge_metrics])) for k in judge_metrics[0]})
-        unit = rft.n if rft.loss == "rrhf" else 1
         self.round_index = round_index
-        self.start_round_sampler(len(rows) // unit)
         print(f"rft round {round_index + 1}: {len(indices)} prompts x {rft.n} samples, mean score "
               f"{self.round_metrics['rft/sample_score_mean']:.3f}; kept {len(rows)} rows from {kept_prompts} prompts "
               f"({self.round_metrics['timing/rft_sampling']:.0f}s)", flush=True)
@@ -145,11 +143,6 @@ class RFTTrainer(StageTrainer):
         if getattr(self, "judge", None) is not None:
             self.judge.close()
         super().close()
-
-    def start_round_sampler(self, units: int) -> None:
-        """Shuffled passes over this round's rows (rrhf: groups), one index at a time; None: nothing kept."""
-        self.sampler = StatefulSampler(units, 1, shuffle=True, seed=self.cfg.data.seed + self.round_index) if units else None
-        self.batches = self.sampler.forever() if self.sampler else None
 
     def keep(self, batch, scores: list[float], texts: list[str], offset: int) -> list[Example]:
         """This prompt's kept rows: select_kept's (sft), or the whole group when its best reaches min_score (rrhf)."""
@@ -170,46 +163,37 @@ class RFTTrainer(StageTrainer):
 
     # ------------------------------------------------------------------ the loop's part
     def train_step(self, step: int) -> dict[str, float]:
-        rft = self.cfg.rft
-        round_index, first_of_round = (step - 1) // rft.steps_per_round, (step - 1) % rft.steps_per_round == 0
-        metrics: dict[str, float] = {}
-        if first_of_round:
-            with self.clock.timed("rft_sampling"):
-                self.sample_round(round_index)
-            metrics.update(self.round_metrics)
-        if self.sampler is None:  # nothing reached min_score this round: no update (no rft/loss logged)
-            return {**metrics, "rft/trained_rows": 0.0}
-        batch = self.training_batch()
-        batch.meta_info["step"] = step
+        """One round: sample, keep, then rft.epochs passes of updates over the kept rows."""
+        with self.clock.timed("rft_sampling"):
+            self.sample_round(step - 1)
+        metrics, outs = dict(self.round_metrics), []
         with self.clock.timed("update"):
-            if rft.loss == "rrhf":
-                out = self.actor_rollout.update_dpo(batch, _timeout=self.cfg.trainer.timeouts.update)
-            else:
-                out = self.actor_rollout.update_sft(batch, _timeout=self.cfg.trainer.timeouts.update)
-        metrics.update({key.replace("sft/", "rft/"): value for key, value in out.meta_info["metrics"].items()})
-        metrics["rft/trained_rows"] = float(len(batch))
+            for number, batch in enumerate(self.round_batches(step - 1)):
+                batch.meta_info["step"] = step * 1000 + number
+                update = self.actor_rollout.update_dpo if self.cfg.rft.loss == "rrhf" else self.actor_rollout.update_sft
+                outs.append(update(batch, _timeout=self.cfg.trainer.timeouts.update).meta_info["metrics"])
+        for key in outs[0] if outs else []:
+            metrics[key.replace("sft/", "rft/")] = float(np.mean([out[key] for out in outs]))
+        metrics["rft/optimizer_steps"] = float(len(outs))
         return metrics
 
-    def training_batch(self):
-        """rft.batch_size rows (rrhf: groups) of this round, drawn without replacement within a pass."""
+    def round_batches(self, round_index: int):
+        """rft.epochs shuffled passes over this round's rows (rrhf: groups of n), rft.batch_size per batch."""
         rft = self.cfg.rft
         unit = rft.n if rft.loss == "rrhf" else 1
-        picks = [next(self.batches)[0] for _ in range(rft.batch_size)]
-        examples = [self.rows[p * unit + j] for p in picks for j in range(unit)]
-        batch = collate_sft(examples, self.pad_token_id)
-        if rft.loss == "rrhf":
-            batch.batch["rank_score"] = torch.tensor([e.extra["score"] for e in examples], dtype=torch.float32)
-        return batch
+        units = len(self.rows) // unit
+        rng = np.random.default_rng(self.cfg.data.seed + round_index)
+        for _ in range(rft.epochs if units else 0):
+            order = rng.permutation(units).tolist()
+            for first in range(0, units, rft.batch_size):
+                examples = [self.rows[p * unit + j] for p in order[first:first + rft.batch_size] for j in range(unit)]
+                batch = collate_sft(examples, self.pad_token_id)
+                if rft.loss == "rrhf":
+                    batch.batch["rank_score"] = torch.tensor([e.extra["score"] for e in examples], dtype=torch.float32)
+                yield batch
 
     def driver_state(self) -> dict:
-        rows = [[e.prompt_ids, e.response_ids, e.extra["score"]] for e in self.rows]
-        return {"rft_rows": rows, "rft_round": self.round_index, "rft_round_metrics": self.round_metrics,
-                "sampler": self.sampler.state_dict() if self.sampler else None, "kl_coef": None}
+        return {"kl_coef": None}  # a checkpoint lands after a round: nothing of it is left to resume
 
     def load_driver_state(self, state: dict) -> None:
-        self.rows = [Example(p, r, "rollout", i, {"score": s}) for i, (p, r, s) in enumerate(state["rft_rows"])]
-        self.round_metrics, self.round_index = state["rft_round_metrics"], state["rft_round"]
-        self.start_round_sampler(len(self.rows) // (self.cfg.rft.n if self.cfg.rft.loss == "rrhf" else 1))
-        if self.sampler and state["sampler"]:
-            self.sampler.load_state_dict(state["sampler"])
-            self.batches = self.sampler.forever()
+        pass
