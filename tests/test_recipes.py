@@ -49,12 +49,12 @@ SIZES: dict[str, list[str]] = {
     "grpo_math_megatron": ["actor.world_size=2", "megatron.tensor_model_parallel_size=2"],
     "grpo_tool_math": MULTI_TURN,
     "grpo_feedback_math": MULTI_TURN,
-    # packed text rows of the generated documents; 2 steps of 2 rows
+    # the generated documents packed into rows of 64 tokens, 2 rows per step
     "pt_text": ["data.arithmetic.n_train=16", "data.arithmetic.n_val=4", "pt.max_length=64", "pt.batch_size=2",
                 "pt.micro_batch_size=2"],
-    # 2 rounds of 1 step: 4 prompts x 2 samples, every sample kept (the length reward; the random model
-    # never solves a problem)
-    "rft_math": ["rft.rounds=2", "rft.steps_per_round=1", "rft.prompts_per_round=4", "rft.n=2", "rft.batch_size=2",
+    # 2 rounds (one step each): 4 prompts x 2 samples, every sample kept (the length reward; the random model
+    # never solves a problem), one pass of 2 updates of 4 rows
+    "rft_math": ["rft.rounds=2", "rft.epochs=1", "rft.prompts_per_round=4", "rft.n=2", "rft.batch_size=4",
                  "rft.micro_batch_size=2", "rft.keep_top_k=0", "rft.min_score=-1000", LENGTH_REWARD],
     # the length reward and a large step: step 1's update is real, so step 2 samples synced weights (vision tower too)
     "grpo_vlm_shapes": ["data.shapes.n_train=16", "data.shapes.n_val=4", "data.val_max_samples=4",
