@@ -197,8 +197,8 @@ def test_unpaired_rows_for_kto(tiny_model_dir, tmp_path):
         load_unpaired([bad], tok, max_length=64)
 
 
-def test_kto_and_orpo_updates_on_the_worker(tiny_model_dir):
-    """KTO at policy = reference: every row's loss is 1 - s(0) = 0.5; both objectives go down in 3 steps."""
+def test_kto_update_on_the_worker(tiny_model_dir):
+    """KTO at policy = reference: every row's loss is 1 - s(0) = 0.5; it goes down in 3 steps."""
     from rlframe.algos.preference import sequence_log_probs
     from rlframe.stages.data import collate_sft
     from rlframe.stages.data import Example
@@ -217,6 +217,11 @@ def test_kto_and_orpo_updates_on_the_worker(tiny_model_dir):
     for _ in range(3):
         last = kto.update_dpo(batch).meta_info["metrics"]
     assert last["dpo/loss"] < first["dpo/loss"] - 0.02 and last["dpo/rewards_chosen"] > last["dpo/rewards_rejected"]
+
+
+def test_orpo_update_on_the_worker(tiny_model_dir):
+    """ORPO without a reference: the loss (chosen NLL + the odds-ratio term) falls, the margin grows."""
+    from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker, PreferenceSettings
 
     orpo = PolicyTrainerWorker(_settings(tiny_model_dir), PreferenceSettings(loss_type="orpo", beta=0.1,
                                                                               length_normalize=True))
