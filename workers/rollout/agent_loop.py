@@ -28,7 +28,8 @@ one `generate` call, tools run in threads meanwhile, and a trajectory whose tool
 the next round: a slow tool holds back only its own trajectory, but within a round a short turn waits
 for the longest one. `scheduling = "rounds"` forces rounds on any engine (for comparisons).
 
-Per row the loop also returns (non-tensor) `agent_turns`, `agent_tool_calls`, `agent_calls_by_tool`,
+Per row the loop also returns (non-tensor) `agent_turns`, `agent_tool_calls`, `agent_calls_by_tool` (per tool,
+plus "(malformed)", "(unknown)" for names no tool has, and "(dropped)" for calls on the last allowed turn, not run),
 `agent_tool_errors`, `agent_end` ("answer" | "turn_limit" | "budget" | "env_error") and, with an
 environment, `agent_turn_rewards` / `agent_env_reward` / `agent_env_errors`; the driver turns them into
 metrics and adds the environment's reward to the score.
@@ -45,11 +46,13 @@ import numpy as np
 import torch
 
 from rlframe.protocol import AGENT_END_REASONS, DataProto
-from rlframe.workers.rollout.tools import (Tool, ToolCall, ToolCallRun, ToolResult, call_with_deadline, get_parser,
-                                          load_environment, load_tool, tool_prompt)
+from rlframe.workers.rollout.tools import (Tool, ToolCall, ToolCallRun, ToolLoadError, ToolResult, call_with_deadline,
+                                          format_problem, get_parser, load_environment, load_tool, tool_prompt)
 
 logger = logging.getLogger(__name__)
 END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR = AGENT_END_REASONS
+# agent_calls_by_tool keys besides the tools' names (agent/tool_calls/<key>)
+MALFORMED, UNKNOWN, DROPPED = "(malformed)", "(unknown)", "(dropped)"
 
 
 @dataclass
@@ -155,6 +158,10 @@ class AgentLoop:
         self.tools = tools if tools is not None else {
             name: load_tool(path, name) for path, name in settings.tools}
         self.parse = get_parser(settings.format)
+        for tool in self.tools.values():
+            problem = format_problem(tool, settings.format)
+            if problem:
+                raise ToolLoadError(problem)
         self.renderer = ObservationRenderer(tokenizer)
         self.eos_ids = set(getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.pad_id = getattr(engine, "pad_token_id", None)
@@ -306,14 +313,23 @@ class AgentLoop:
             t.env_step.position = len(t.tokens) - 1  # the judged turn's last token
         elif not calls:
             t.end = END_ANSWER
-        elif t.turns >= self.settings.max_turns:
+        elif t.turns >= self.settings.max_turns:  # calls on the last allowed turn: not run, counted as dropped
             t.end = END_TURN_LIMIT
+            t.calls_by_tool[DROPPED] = t.calls_by_tool.get(DROPPED, 0) + len(calls)
         else:
             t.tool_calls += len(calls)
             for call in calls:
-                t.calls_by_tool[call.name or "(malformed)"] = t.calls_by_tool.get(call.name or "(malformed)", 0) + 1
+                key = self.call_key(call)
+                t.calls_by_tool[key] = t.calls_by_tool.get(key, 0) + 1
             t.pending = [ToolCallRun(self.tools.get(c.name), c, self.settings.tool_timeout_s, list(self.tools))
                          for c in calls]
+
+    def call_key(self, call: ToolCall) -> str:
+        """The agent/tool_calls/<key> a call counts under: its tool, or one key for every malformed call and
+        one for every unknown name (model-written names must not become metric keys)."""
+        if not call.name:
+            return MALFORMED
+        return call.name if call.name in self.tools else UNKNOWN
 
     def start_environment(self, t: Trajectory, row) -> None:
         """A fresh environment for the trajectory; `reset(row)` may return a first message (appended to

@@ -18,7 +18,7 @@ file. The function gets the call's arguments as keyword arguments and returns th
 Parsers turn a model turn's text into tool calls (pluggable: `TOOL_CALL_PARSERS`):
   hermes  `<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>` (Qwen, SmolLM2)
   tag     `<calculator>2+3</calculator>`: the text inside goes to the tool's first required parameter
-          (an easier format for very small models).
+          (an easier format for very small models; a tool requiring more than one is refused: format_problem).
   or a user's `path/to/parser.py:function(text, tools) -> list[ToolCall]`.
 
 Nothing a tool does crashes a rollout: a malformed call, an unknown tool, bad arguments, an exception
@@ -189,6 +189,19 @@ def parse_tag(text: str, tools: dict[str, Tool]) -> list[ToolCall]:
         if not calls and f"<{name}>" in text:
             calls.append(ToolCall(name=name, arguments=None, error=f"<{name}> without a closing </{name}>"))
     return calls
+
+
+def format_problem(tool: Tool, fmt: str) -> str | None:
+    """Why `tool` cannot be called in the tool-call format `fmt`, or None: `tag` hands the text between
+    <name> and </name> to ONE parameter, so a tool that requires more would fail every call."""
+    if fmt != "tag":
+        return None
+    required = list(tool.parameters.get("required") or [])
+    if len(required) <= 1:
+        return None
+    return (f"tool '{tool.name}' ({tool.path}) requires {len(required)} arguments ({', '.join(required)}), but the "
+            f"'tag' format passes the text between <{tool.name}> and </{tool.name}> as one argument, so every call "
+            "would fail. Fix: rollout.multi_turn.format=hermes (JSON arguments), or give the tool one required parameter")
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str, dict[str, Tool]], list[ToolCall]]] = {"hermes": parse_hermes,
