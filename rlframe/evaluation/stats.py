@@ -69,7 +69,7 @@ def maj_at_k_per_prompt(answers: Sequence[Sequence[str | None]], correct: np.nda
     """[P] maj@k (self-consistency) of each prompt: 1 when the majority answer of its first k samples is
     correct (`majority_answer`: ties to the first-seen answer; no answer in k samples: 0), else 0.
 
-    `answers` [P][n] the extracted answers, `correct` [P, n] booleans."""
+    `answers` `[P][n]` the extracted answers, `correct` [P, n] booleans."""
     if not 1 <= k <= correct.shape[1]:
         raise ValueError(f"k={k} must be in 1..n={correct.shape[1]}")
     out = np.zeros(len(answers), dtype=float)
@@ -138,7 +138,7 @@ def per_prompt_metrics(accuracy: np.ndarray, answers: Sequence[Sequence[str | No
                        ) -> dict[str, np.ndarray]:
     """{metric: [P] per-prompt values}: `accuracy` (mean over all n samples = mean@n), and for each k
     pass@k, mean@k and maj@k. `accuracy` [P, n] (NaN: no function scored the sample; counts as wrong),
-    `answers` [P][n] the extracted answers. A sample is correct when its accuracy >= 0.5."""
+    `answers` `[P][n]` the extracted answers. A sample is correct when its accuracy >= 0.5."""
     accuracy = np.nan_to_num(np.asarray(accuracy, dtype=float))
     correct = accuracy >= 0.5
     n = accuracy.shape[1]
