@@ -39,11 +39,13 @@ def test_checksum_close_tells_an_optimizer_step_from_rounding():
 def test_compare_checksums_reports_equal_unequal_and_what_moved():
     a, b, c = (1.0, 1.0), (2.0, 4.0), (3.0, 9.0)
     healthy = compare_checksums({"x": b, "y": b}, {"x": b, "y": b, "z": c}, {"x": a, "y": b}, {"x": a, "y": b})
-    assert healthy == {"streamed": 2, "checked": 2, "unequal": 0, "first_unequal": "", "engine_changed": 1,
-                       "trainer_changed": 1}
+    assert healthy == {"streamed": 2, "checked": 2, "missing": 0, "unequal": 0, "first_unequal": "",
+                       "engine_changed": 1, "trainer_changed": 1}
     skipped = compare_checksums({"x": b}, {"x": a}, {"x": a}, {"x": a})
-    assert skipped == {"streamed": 1, "checked": 1, "unequal": 1, "first_unequal": "x", "engine_changed": 0,
-                       "trainer_changed": 1}
+    assert skipped == {"streamed": 1, "checked": 1, "missing": 0, "unequal": 1, "first_unequal": "x",
+                       "engine_changed": 0, "trainer_changed": 1}
+    never_loaded = compare_checksums({"x": b, "y": b}, {"y": b})  # the engine's loader never took x
+    assert (never_loaded["missing"], never_loaded["unequal"], never_loaded["first_unequal"]) == (1, 1, "x")
     first = compare_checksums({"x": b}, {"x": b})
     assert (first["engine_changed"], first["trainer_changed"]) == (-1, -1)  # nothing to compare with yet
 
@@ -68,9 +70,8 @@ def test_weight_sync_gate():
     unequal = weight_sync_gate(2, {"checked": 3, "unequal": 2, "first_unequal": "w", "engine_changed": 0,
                                    "trainer_changed": 1})
     assert unequal.value == 2.0 and "2 of 3 tensors" in unequal.cause and "(first: w)" in unequal.cause
-    unknown = weight_sync_gate(2, {"streamed": 5, "checked": 0, "unequal": 0, "first_unequal": "", "engine_changed": -1,
-                                   "trainer_changed": -1})
-    assert unknown.metric == "weight_sync/checksum_tensors" and "none of the 5 tensors" in unknown.cause
+    unknown = weight_sync_gate(2, compare_checksums({f"w{i}": (1.0, 1.0) for i in range(5)}, {}))
+    assert unknown.value == 5.0 and "5 of 5 tensors" in unknown.cause and "5 not held by the engine" in unknown.cause
     stale = weight_sync_gate(2, {"checked": 3, "unequal": 0, "first_unequal": "", "engine_changed": 0,
                                  "trainer_changed": 1})
     assert stale.metric == "weight_sync/engine_changed" and "old policy" in stale.cause

@@ -216,12 +216,13 @@ def compare_checksums(trainer: dict, engine: dict, previous_trainer: dict | None
     """What a sync did, from the checksums (name -> (sum, sumsq)) of the trainer's weights and the engine's after it,
     and of both after the previous sync (None: unknown).
 
-    streamed: the trainer's tensors; checked: those found on the engine's side too; unequal: of those, the ones that
-    differ (first_unequal names one);
-    engine_changed / trainer_changed: 1 when some tensor moved since the previous sync, 0 when none did, -1 unknown.
-    A healthy sync: unequal == 0, and engine_changed == 1 whenever trainer_changed == 1."""
+    streamed: the trainer's tensors; missing: those the engine's side does not hold under that name (its loader
+    never took them); checked: the others; unequal: the missing ones and the checked ones that differ (first_unequal
+    names one); engine_changed / trainer_changed: 1 when some tensor moved since the previous sync, 0 when none
+    did, -1 unknown. A healthy sync: unequal == 0, and engine_changed == 1 whenever trainer_changed == 1."""
+    missing = [name for name in trainer if name not in engine]
     checked = [name for name in trainer if name in engine]
-    unequal = [name for name in checked if not checksum_close(trainer[name], engine[name])]
+    unequal = missing + [name for name in checked if not checksum_close(trainer[name], engine[name])]
 
     def changed(now: dict, before: dict | None) -> int:
         common = [name for name in now if before is not None and name in before]
@@ -229,7 +230,7 @@ def compare_checksums(trainer: dict, engine: dict, previous_trainer: dict | None
             return -1
         return int(any(not checksum_close(now[name], before[name]) for name in common))
 
-    return {"streamed": len(trainer), "checked": len(checked), "unequal": len(unequal),
+    return {"streamed": len(trainer), "checked": len(checked), "missing": len(missing), "unequal": len(unequal),
             "first_unequal": unequal[0] if unequal else "",
             "engine_changed": changed({n: engine[n] for n in checked}, previous_engine),
             "trainer_changed": changed(trainer, previous_trainer)}

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlframe.doctor.result import CheckResult, counts, failed, table, timed, write_doctor_json
+from rlframe.doctor.result import CheckResult, counts, failed, skipped, table, timed, write_doctor_json
 
 USAGE = """usage: python -m rlframe.doctor recipe=<name> [key=value ...] [--no-workers]
 
@@ -40,6 +40,10 @@ def pure_checks(cfg, run_dir: Path) -> tuple[list[CheckResult], dict | None]:
         return results, None
     results += timed(check_memory_plan, cfg, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.stage != "rl":  # the other stages read their own data layouts (rlframe/stages/)
+        results += timed(check_template, cfg, tokenizer, model_path)
+        results.append(skipped("data", "rows", f"stage={cfg.stage}: the data and reward checks cover the RL stage"))
+        return results, None
     try:
         train_files, val_files = prepare_data(cfg, run_dir)
     except Exception as error:
@@ -76,7 +80,9 @@ def run_doctor(argv: list[str]) -> tuple[list[CheckResult], Path]:
             results.append(failed("live", "workers", f"{type(error).__name__}: {str(error)[:2000]}",
                                   "the error names the worker and the fix"))
     elif with_workers:
-        results.append(CheckResult("live", "workers", "skip", "not started: fix the failed config/data checks first"))
+        why = (f"stage={cfg.stage}: the live checks cover the RL stage" if cfg.stage != "rl"
+               else "not started: fix the failed config/data checks first")
+        results.append(skipped("live", "workers", why))
     path = write_doctor_json(run_dir, results, argv, time.perf_counter() - start)
     print("\n" + table(results), flush=True)
     print(f"doctor: {path} ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -72,19 +72,23 @@ def check_gap(name: str, value: float, threshold: float, dtype: str, when: str) 
 
 
 def check_weight_sync(before: dict, after: dict, report: dict | None) -> CheckResult:
-    """After the real step: the engine's checksums moved (vs before) and equal the trainer's."""
+    """After the real step: the engine holds the trainer's tensors (every streamed one, checksums equal), and where
+    the engine's own values can be read before and after (workers/weight_broadcast.py), the tensors the step moved
+    moved on the engine too."""
     engine_before, engine_after, trainer_after = before["engine"], after["engine"], after["trainer"]
-    common = [n for n in trainer_after if n in engine_after]
-    unequal = [n for n in common if not checksum_close(trainer_after[n], engine_after[n])]
-    moved = [n for n in engine_after if n in engine_before and not checksum_close(engine_after[n], engine_before[n])]
+    unequal = [n for n in trainer_after if n not in engine_after or not checksum_close(trainer_after[n], engine_after[n])]
     trainer_moved = [n for n in trainer_after if n in before["trainer"]
                      and not checksum_close(trainer_after[n], before["trainer"][n])]
-    measured = (f"after one optimizer step: {len(trainer_moved)} trainer tensors moved, {len(moved)} engine tensors "
-                f"moved, {len(unequal)} of {len(common)} compared differ from the trainer's")
+    comparable = [n for n in trainer_moved if n in engine_before and n in engine_after]
+    moved = [n for n in comparable if not checksum_close(engine_after[n], engine_before[n])]
+    measured = (f"after one optimizer step: {len(trainer_moved)} trainer tensors moved; of those read back from the "
+                f"engine before and after, {len(moved)} of {len(comparable)} moved there too; {len(unequal)} of "
+                f"{len(trainer_after)} streamed differ from the engine's")
     if report:
-        measured += f" (the sync's own check: {report['unequal']} of {report['checked']} unequal, {report['seconds'] * 1000:.0f} ms)"
-    if unequal or (trainer_moved and not moved):
-        first = unequal[0] if unequal else next(iter(trainer_moved))
+        measured += f" (the sync's own check: {report['unequal']} of {report.get('streamed', report['checked'])} unequal, " \
+                    f"{report['seconds'] * 1000:.0f} ms)"
+    if unequal or (comparable and not moved):
+        first = unequal[0] if unequal else comparable[0]
         return failed(GROUP, "weight_sync", measured + f"; first: {first}", "the engine kept its old weights: the "
                       "sync did not reach it (a skipped load, a LoRA adapter not applied, names the engine does not map)")
     if not trainer_moved:

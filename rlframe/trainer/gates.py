@@ -57,23 +57,20 @@ def logprob_gap_gate(step: int, gap: float | None, threshold: float) -> GateEven
 
 
 def weight_sync_gate(step: int, check: dict | None) -> GateEvent | None:
-    """Fires when a sync left the engine unequal to the trainer (`check["unequal"]` > 0 of `check["checked"]`
-    tensors), when the engine holds none of the streamed names (checked == 0 < streamed), or when the trainer's
-    weights moved since the previous sync and the engine's did not (trainer_changed == 1, engine_changed == 0).
-    `check`: compare_checksums' report (None: not checked)."""
+    """Fires when a sync left the engine unequal to the trainer (`check["unequal"]` > 0 of `check["streamed"]`
+    tensors: some differ, or the engine does not hold them), or when the trainer's weights moved since the previous
+    sync and the engine's did not (trainer_changed == 1, engine_changed == 0). `check`: compare_checksums' report
+    (None: not checked)."""
     if not check:
         return None
-    if not check.get("checked"):
-        if not check.get("streamed"):
-            return None
-        return GateEvent("weight_sync", step, "weight_sync/checksum_tensors", 0.0, float(check["streamed"]),
-                         f"none of the {check['streamed']} tensors the trainer streamed is known to the engine under "
-                         "that name: the engine loaded nothing (a model or LoRA layout the engine does not map)")
-    if check["unequal"]:
+    if check.get("unequal"):
+        streamed = check.get("streamed", check["checked"])
+        missing = check.get("missing", 0)
         return GateEvent("weight_sync", step, "weight_sync/checksum_unequal", float(check["unequal"]), 0.0,
-                         f"after the sync {check['unequal']} of {check['checked']} tensors differ between the trainer "
-                         f"and the engine (first: {check['first_unequal']}): the engine did not load the weights "
-                         "(a skipped or failed load, a LoRA adapter not applied, names the engine does not map)")
+                         f"after the sync {check['unequal']} of {streamed} tensors differ between the trainer and the "
+                         f"engine{f' ({missing} not held by the engine at all)' if missing else ''} (first: "
+                         f"{check['first_unequal']}): the engine did not load the weights (a skipped or failed load, a "
+                         "LoRA adapter not applied, names the engine does not map)")
     if check.get("trainer_changed") == 1 and check.get("engine_changed") == 0:
         return GateEvent("weight_sync", step, "weight_sync/engine_changed", 0.0, 1.0,
                          "the trainer's weights moved since the previous sync but the engine's did not: the sync "
@@ -236,7 +233,7 @@ def sync_check_metrics(check: dict | None) -> dict[str, float]:
     """A sync's checksum report (workers/weight_broadcast.py compare_checksums) as weight_sync/* metrics."""
     if not check:
         return {}
-    return {"weight_sync/checksum_tensors": float(check["checked"]),
+    return {"weight_sync/checksum_tensors": float(check.get("streamed", check["checked"])),
             "weight_sync/checksum_unequal": float(check["unequal"]),
             "weight_sync/engine_changed": float(check["engine_changed"]),
             "weight_sync/checksum_seconds": float(check.get("seconds", 0.0))}
