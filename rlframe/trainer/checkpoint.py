@@ -15,7 +15,12 @@
 A checkpoint is written into `.tmp-step_N/` and renamed to `step_N/` only when every file is on
 disk and the manifest lists them, so a crash mid-save never leaves a folder that looks complete.
 On resume every file is checked against the manifest (size and sha256): a truncated or corrupt
-newest checkpoint is reported and the previous complete one is used instead.
+newest checkpoint is reported and the previous complete one is used instead (none at all: the run
+refuses to start, rlframe/trainer/run_dir.py).
+
+Each manifest names its run's lineage (`run_id`: set by a fresh start, inherited by every resume).
+Retention (trainer.max_checkpoints_to_keep) deletes only older checkpoints of the lineage being
+written, never the one just written, so `latest` always names a folder that exists.
 
 Nothing here is loaded with pickle: weights are safetensors, other tensors go through
 `torch.load(weights_only=True)`, the driver state is JSON.
@@ -68,10 +73,11 @@ def begin_save(run_dir: Path, step: int) -> Path:
     return tmp
 
 
-def finish_save(tmp: Path, step: int, driver_state: dict, config_yaml: str, keep: int) -> Checkpoint:
+def finish_save(tmp: Path, step: int, driver_state: dict, config_yaml: str, keep: int,
+                run_id: str | None = None) -> Checkpoint:
     """Add the driver state and manifest to `tmp`, rename it to `step_N`, point `latest` at it, prune.
 
-    The workers have already written their files into `tmp`.
+    The workers have already written their files into `tmp`. `run_id`: the lineage (see prune).
     """
     (tmp / DRIVER_STATE).write_text(json.dumps(driver_state))
     (tmp / "config.yaml").write_text(config_yaml)
@@ -80,29 +86,57 @@ def finish_save(tmp: Path, step: int, driver_state: dict, config_yaml: str, keep
         _fsync(path)
         files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     manifest = tmp / MANIFEST
-    manifest.write_text(json.dumps({"step": step, "complete": True, "files": files}, indent=1))
+    manifest.write_text(json.dumps({"step": step, "complete": True, "run_id": run_id, "files": files}, indent=1))
     _fsync(manifest)
     final = tmp.parent / f"step_{step}"
-    if final.exists():  # a re-run of the same step (after a restart): the new one wins
-        shutil.rmtree(final)
+    replaced = tmp.parent / f".replaced-step_{step}"
+    if final.exists():  # a re-run of the same step (after a restart, or over a broken one): the new one wins
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
     pointer = final.parent / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")
     os.replace(pointer, final.parent / LATEST)
-    prune(final.parent, keep)
+    prune(final.parent, keep, run_id=run_id, just_written=final)
     return Checkpoint(final, step)
 
 
-def prune(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` step folders (keep=0: keep all); returns what was deleted."""
+def prune(directory: Path, keep: int, run_id: str | None = None, just_written: Path | None = None) -> list[Path]:
+    """Delete the oldest checkpoints of lineage `run_id` beyond the newest `keep` (keep=0: keep all).
+
+    Only folders whose manifest names `run_id` are candidates (another run's checkpoints, and broken
+    folders whose lineage cannot be read, are left alone), and `just_written` is never deleted.
+    Returns what was deleted."""
     if keep <= 0:
         return []
+    mine = [c for c in list_checkpoints(directory) if _lineage(c.path) == (run_id,)]
+    kept = 1 if just_written is not None else 0
     removed = []
-    for ckpt in list_checkpoints(directory)[keep:]:
+    for ckpt in mine:
+        if just_written is not None and ckpt.path.resolve() == Path(just_written).resolve():
+            continue
+        if kept < keep:
+            kept += 1
+            continue
         shutil.rmtree(ckpt.path, ignore_errors=True)
         removed.append(ckpt.path)
     return removed
+
+
+def read_run_id(path: Path) -> str | None:
+    """The lineage a checkpoint belongs to (None: written before lineages existed)."""
+    lineage = _lineage(Path(path))
+    return lineage[0] if lineage else None
+
+
+def _lineage(path: Path) -> tuple[str | None] | tuple[()]:
+    """(run_id,) from the manifest of `path`; () when the manifest cannot be read (lineage unknown)."""
+    try:
+        return (json.loads((path / MANIFEST).read_text()).get("run_id"),)
+    except (OSError, ValueError, AttributeError):
+        return ()
 
 
 # ------------------------------------------------------------------ finding / checking
@@ -144,12 +178,14 @@ def verify(path: Path, hashes: bool = True) -> str | None:
 
 def find_latest_complete(run_dir: Path) -> Checkpoint | None:
     """The newest complete checkpoint of the run; each newer broken one is reported and skipped."""
-    for ckpt in list_checkpoints(checkpoints_dir(run_dir)):
+    found = list_checkpoints(checkpoints_dir(run_dir))
+    for index, ckpt in enumerate(found):
         problem = verify(ckpt.path)
         if problem is None:
             return ckpt
-        message = (f"checkpoint {ckpt.path} is not usable: {problem}; "
-                   "falling back to the previous complete checkpoint")
+        then = ("falling back to the previous complete checkpoint" if index + 1 < len(found)
+                else "and there is no older checkpoint")
+        message = f"checkpoint {ckpt.path} is not usable: {problem}; {then}"
         logger.warning(message)
         print(f"WARNING: {message}", flush=True)
     return None
@@ -242,10 +278,10 @@ def should_save(step: int, total_steps: int, save_every: int) -> bool:
 
 
 def save_checkpoint(workers, run_dir: Path, step: int, driver_state: dict, config_yaml: str, keep: int,
-                    timeout_s: float) -> Checkpoint:
+                    timeout_s: float, run_id: str | None = None) -> Checkpoint:
     """The workers write their state (actor, critic), the driver its own; then the folder appears atomically.
 
-    `workers`: what `rlframe.trainer.launch.start_workers` returned.
+    `workers`: what `rlframe.trainer.launch.start_workers` returned; `run_id`: the run's lineage.
     """
     import time
 
@@ -254,7 +290,8 @@ def save_checkpoint(workers, run_dir: Path, step: int, driver_state: dict, confi
     workers.actor_rollout.save_checkpoint(str(tmp / "actor"), _timeout=timeout_s)
     if workers.critic is not None:
         workers.critic.save_checkpoint(str(tmp / "critic"), _timeout=timeout_s)
-    ckpt = finish_save(tmp, step, {**driver_state, "step": step, "rng": capture_rng_state()}, config_yaml, keep=keep)
+    ckpt = finish_save(tmp, step, {**driver_state, "step": step, "rng": capture_rng_state()}, config_yaml, keep=keep,
+                       run_id=run_id)
     print(f"checkpoint {ckpt.path} saved in {time.perf_counter() - start:.2f}s", flush=True)
     return ckpt
 

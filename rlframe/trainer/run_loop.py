@@ -1,8 +1,9 @@
 """The run loop every stage shares (RL, SFT, DPO, RM): steps, restarts, validation, metrics, checkpoints, close.
 
-    start_step = restore(latest checkpoint)            # 0 for a fresh run
+    start_step = restore(where the run starts)          # trainer/run_dir.py: plan_start; 0 for a fresh run
     validate() before training                          # step 0 of metrics.jsonl
     for step in start_step + 1 .. trainer.total_steps:
+        (SIGINT/SIGTERM came: checkpoint, stop)         # trainer/signals.py: the safe point between steps
         metrics = train_step(step)                      # the stage's own step
         + timing/<phase>, timing/step (+ step_extras)   # trainer/phases.py
         + validate() every val_every steps and at the end
@@ -25,6 +26,8 @@ from omegaconf import OmegaConf
 from rlframe.config import RLConfig, to_container
 from rlframe.trainer import checkpoint, fault
 from rlframe.trainer.phases import PhaseClock
+from rlframe.trainer.run_dir import plan_start, planned
+from rlframe.trainer.signals import STOP
 from rlframe.trainer.tracking import Tracker
 from rlframe.trainer.validation import validate_by_generation
 
@@ -45,6 +48,8 @@ class RunLoop:
         self.tracker: Tracker | None = None
         self.workers = None
         self.resume_from: checkpoint.Checkpoint | None = None
+        self.run_id: str | None = None  # the lineage of this run's checkpoints (trainer/checkpoint.py: prune)
+        self.last_checkpoint: checkpoint.Checkpoint | None = None  # saved or resumed from
 
     @property
     def step(self) -> int:
@@ -64,12 +69,16 @@ class RunLoop:
 
     # ------------------------------------------------------------------ set-up, called by the stages
     def plan_run(self, total_steps: int) -> None:
-        """The run's length, where it resumes (trainer.resume; metrics logged after it are dropped) and its tracker."""
+        """The run's length, where it starts (the plan main's claim on run_dir made, trainer/run_dir.py; metrics
+        logged after a resumed checkpoint are dropped) and its tracker."""
         cfg = self.cfg
         cfg.trainer.total_steps = total_steps
-        self.resume_from = checkpoint.resolve_resume(cfg.trainer.resume, self.run_dir)
+        plan = planned(self.run_dir) or plan_start(self.run_dir, cfg)
+        self.resume_from, self.run_id = plan.resume_from, plan.run_id
         if self.resume_from is not None:
             checkpoint.trim_metrics_log(self.run_dir, self.resume_from.step)
+        STOP.progress.run_dir, STOP.progress.total_steps = self.run_dir, total_steps
+        STOP.progress.save_every = cfg.trainer.save_every
         self.tracker = Tracker(self.run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name,
                                cfg.trainer.experiment_name, to_container(cfg), total_steps=total_steps)
 
@@ -103,6 +112,8 @@ class RunLoop:
             self.first_val = {**self.validate(), **self.setup_metrics}
             self.tracker.log(0, self.first_val)
         for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+            if STOP.requested:  # a signal came: the safe point, before the next step
+                self.stop_at_safe_point(step - 1)
             step_start = self.clock.start_step(step)
             metrics = self.train_step(step)
             metrics.update(self.clock.step_metrics(step_start))
@@ -114,6 +125,7 @@ class RunLoop:
             self.last_metrics = metrics
             if checkpoint.should_save(step, cfg.trainer.total_steps, cfg.trainer.save_every):
                 self.save_checkpoint(step)
+            STOP.progress.step = step
         self.end()
         return self.finish()
 
@@ -127,9 +139,22 @@ class RunLoop:
     def save_checkpoint(self, step: int) -> None:
         state = {**self.driver_state(), "val_before": self.first_val, "last_metrics": self.last_metrics}
         t = self.cfg.trainer
-        checkpoint.save_checkpoint(self.workers, self.run_dir, step, state,
-                                   OmegaConf.to_yaml(OmegaConf.structured(self.cfg)), keep=t.max_checkpoints_to_keep,
-                                   timeout_s=t.timeouts.update)
+        self.last_checkpoint = checkpoint.save_checkpoint(
+            self.workers, self.run_dir, step, state, OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
+            keep=t.max_checkpoints_to_keep, timeout_s=t.timeouts.update, run_id=self.run_id)
+        STOP.progress.checkpoint = self.last_checkpoint.path
+
+    def stop_at_safe_point(self, step: int) -> None:
+        """A signal came (trainer/signals.py): save step `step` when checkpoints are on and it has none, then stop.
+
+        Saving here means a resume loses no finished step; a second signal during the save stops at once and
+        leaves the previous checkpoint (saves are atomic)."""
+        saved = self.last_checkpoint is not None and self.last_checkpoint.step == step
+        if self.cfg.trainer.save_every > 0 and step > 0 and not saved:
+            print(f"saving a checkpoint of step {step} before stopping (signal again: stop at once without it)",
+                  flush=True)
+            self.save_checkpoint(step)
+        STOP.check()
 
     def restore(self, ckpt: checkpoint.Checkpoint | None) -> int:
         """Load `ckpt` into the workers and the driver; returns the step to continue after (0: fresh)."""
@@ -137,6 +162,8 @@ class RunLoop:
         if ckpt is None:
             return 0
         state = checkpoint.restore_checkpoint(self.workers, ckpt, timeout_s=self.cfg.trainer.timeouts.init)
+        self.last_checkpoint = ckpt
+        STOP.progress.step, STOP.progress.checkpoint = ckpt.step, ckpt.path
         self.first_val, self.last_metrics = state["val_before"], state["last_metrics"]
         self.load_driver_state(state)
         return int(state["step"])
