@@ -18,7 +18,7 @@ import json
 import re
 import time
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -191,8 +191,9 @@ def judge_engine(setting: str) -> str:
     return "vllm" if torch.cuda.is_available() else "hf"
 
 
-def build_judge(cfg, run_dir: Path) -> JudgeReward | None:
-    """reward.judge -> a JudgeReward on its backend (None when no judge is configured)."""
+def build_judge(cfg, run_dir: Path, engine_settings: Callable[[], tuple] | None = None) -> JudgeReward | None:
+    """reward.judge -> a JudgeReward on its backend (None when no judge is configured). `engine_settings()`:
+    (RolloutSettings, tokenizer) of the local judge's engine, built by the driver (rlframe/stages/rft.py)."""
     if not judge_enabled(cfg):
         return None
     judge = cfg.reward.judge
@@ -202,16 +203,6 @@ def build_judge(cfg, run_dir: Path) -> JudgeReward | None:
         backend = HTTPJudge(judge.url, judge.model, judge.max_new_tokens, os.environ.get(judge.api_key_env, ""),
                             judge.timeout_s)
     else:
-        from transformers import AutoTokenizer
-
-        from rlframe.models.provision import resolve_model_path
-        from rlframe.trainer.worker_settings import rollout_settings
-        from rlframe.workers.settings import SamplingSettings
-
-        path = resolve_model_path(judge.model)
-        settings = rollout_settings(cfg, path)
-        device = replace(settings.device, rollout_engine=judge_engine(judge.engine))
-        settings = replace(settings, device=device, lora=None, multi_turn=None, max_model_len=judge.max_model_len,
-                           validation=SamplingSettings(max_new_tokens=judge.max_new_tokens, temperature=0.0))
-        backend = EngineJudge(settings, AutoTokenizer.from_pretrained(path), judge.timeout_s)
+        settings, tokenizer = engine_settings()
+        backend = EngineJudge(settings, tokenizer, judge.timeout_s)
     return JudgeReward(judge, backend, run_dir / "judge_outputs.jsonl")

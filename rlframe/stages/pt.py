@@ -22,8 +22,9 @@ from pathlib import Path
 
 from rlframe.config import RLConfig
 from rlframe.stages.common import StageTrainer
-from rlframe.stages.pt_data import (PackedRow, arithmetic_documents, collate_packed, load_documents, pack_documents,
-                                    tokenize_documents)
+from rlframe.data.dataset import read_rows
+from rlframe.stages.pt_data import PackedRow, collate_packed, load_documents, pack_documents, tokenize_documents
+from rlframe.stages.sft import worked_solution
 from rlframe.trainer.worker_settings import actor_settings
 from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker
 from rlframe.workers.settings import ActorSettings, UpdateLoop
@@ -37,6 +38,17 @@ def pt_settings(cfg: RLConfig, model_path: str) -> ActorSettings:
     loop = UpdateLoop(mini_batch_size=pt.batch_size // cfg.actor.world_size, micro_batch_size=pt.micro_batch_size,
                       epochs=1, shuffle=True, loss_agg_mode="token-mean")
     return replace(actor_settings(cfg, model_path, with_rollout=False), loop=loop)  # nothing is generated
+
+
+def arithmetic_documents(files: list[str]) -> list[str]:
+    """data.source=arithmetic: the project's own problems as text, each with its worked solution
+    (`rlframe.stages.sft.worked_solution`): the generated text set of `recipe=pt_text`."""
+    documents = []
+    for path in files:
+        for row in read_rows(path):
+            question, answer = row["extra_info"]["question"], row["reward_model"]["ground_truth"]
+            documents.append(f"Problem: {question}\nSolution: {worked_solution(question, answer)}")
+    return documents
 
 
 def split_documents(cfg: RLConfig, train_files: list[str], val_files: list[str]) -> tuple[list[str], list[str]]:

@@ -118,19 +118,6 @@ def collate_packed(rows: list[PackedRow], pad_token_id: int) -> DataProto:
         "responses": input_ids[:, 1:].clone(), "response_mask": loss_mask[:, 1:].clone()})
 
 
-def arithmetic_documents(files: list[str]) -> list[str]:
-    """data.source=arithmetic: the project's own problems as text, each with its worked solution
-    (`rlframe.stages.sft.worked_solution`): the generated text set of `recipe=pt_text`."""
-    from rlframe.stages.sft import worked_solution
-
-    documents = []
-    for path in files:
-        for row in read_rows(path):
-            question, answer = row["extra_info"]["question"], row["reward_model"]["ground_truth"]
-            documents.append(f"Problem: {question}\nSolution: {worked_solution(question, answer)}")
-    return documents
-
-
 def load_documents(files: list[str], text_key: str) -> list[str]:
     documents = [doc for path in files for doc in read_documents(path, text_key)]
     if files and not documents:
