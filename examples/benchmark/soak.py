@@ -1,0 +1,203 @@
+"""Soak: 300+ RL steps on a tiny random model; RSS of every process and Ray's object store per step, then
+the slope per 100 steps of each, so that a leak shows before a user's 3-day run finds it.
+
+    python examples/benchmark/soak.py [--steps 300] [--engine hf|vllm] [--workdir DIR] [key=value ...]
+
+This script is the driver: it runs `rlframe.main` in this process (as a user's script would) with a sampling
+thread beside it. After each step appears in metrics.jsonl the thread records the RSS of this process (the
+driver) and of every process under it (the worker actors, Ray's raylet / GCS / agents, reward workers) and
+the bytes in Ray's object store (what `ray memory --stats-only` reads). At the end it prints, per process, the
+RSS at the first and last sampled step and the least-squares slope per 100 steps after a warm-up (the first
+10% of the steps), and the same for the object store; every sample goes to <workdir>/soak.json.
+
+The model is the test suite's tiny random Llama (2 layers, hidden 128, its byte-level BPE tokenizer), the task
+the generated arithmetic set at the test sizes (4 prompts x 2 samples of 16 tokens), a checkpoint every 100
+steps with the default retention (so saving and pruning are part of the soak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TINY = ["data.arithmetic.n_train=64", "data.arithmetic.n_val=8", "data.val_max_samples=8", "data.max_prompt_length=256",
+        "data.max_response_length=16", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size_per_device=4", "rollout.n=2", "trainer.num_cpus=4", "trainer.save_every=100",
+        "trainer.val_before_train=false", "trainer.export_hf=false"]
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """The tests' tiny random Llama (tests/conftest.py) with the tests' tokenizer (tests/helpers_tokenizer.py)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from helpers_tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def process_label(proc: psutil.Process) -> str:
+    """A stable name for one process of the run: driver, worker <pid> (<actor class>), raylet, gcs_server, ..."""
+    if proc.pid == os.getpid():
+        return "driver"
+    try:
+        argv = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return f"pid {proc.pid}"
+    head = argv[0] if argv else proc.name()
+    if head.startswith("ray::"):
+        return f"worker {proc.pid} ({head[5:].split('.')[0]})"
+    name = Path(head).name
+    if name.startswith("python"):
+        script = next((Path(a).name for a in argv[1:] if a.endswith(".py")), "")
+        module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+        name = script or module or "python"
+        if "multiprocessing" in " ".join(argv):
+            name = "reward/multiprocessing worker"
+    return f"{name} {proc.pid}"
+
+
+def object_store_bytes() -> int | None:
+    """Bytes in Ray's object store (primary copies and others), as `ray memory --stats-only` reports them."""
+    try:
+        import ray
+        from ray._private.internal_api import (
+            get_memory_info_reply,
+            get_state_from_address,
+        )
+
+        if not ray.is_initialized():
+            return None
+        reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+        return int(reply.store_stats.object_store_bytes_used)
+    except Exception:  # noqa: BLE001  (a sampling failure must not stop the soak)
+        return None
+
+
+class Sampler(threading.Thread):
+    """Records one sample per step logged in metrics.jsonl: RSS of each process, object store bytes."""
+
+    def __init__(self, metrics: Path):
+        super().__init__(daemon=True)
+        self.metrics, self.samples, self.done = metrics, [], threading.Event()
+
+    def run(self) -> None:
+        seen = 0
+        while not self.done.is_set():
+            steps = self.logged_steps()
+            if len(steps) > seen:
+                seen = len(steps)
+                self.samples.append(self.sample(steps[-1]))
+            time.sleep(0.05)
+
+    def logged_steps(self) -> list[int]:
+        if not self.metrics.exists():
+            return []
+        lines = self.metrics.read_text().splitlines()
+        return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+    def sample(self, step: int) -> dict:
+        driver = psutil.Process()
+        rss = {}
+        for proc in [driver, *driver.children(recursive=True)]:
+            try:
+                rss[process_label(proc)] = proc.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return {"step": step, "time": time.time(), "rss": rss, "object_store_bytes": object_store_bytes()}
+
+
+# ------------------------------------------------------------------ the figures
+
+
+def slope_per_100(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of value against step, times 100."""
+    n = len(points)
+    if n < 2:
+        return float("nan")
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    return 100 * sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else float("nan")
+
+
+def report(samples: list[dict], steps: int) -> list[str]:
+    warm = [s for s in samples if s["step"] > max(1, steps // 10)]
+    mib = 1 << 20
+    lines = [f"{len(samples)} samples; slopes over steps {warm[0]['step']}..{warm[-1]['step']} (after the warm-up)",
+             f"{'process':<44} {'RSS first':>10} {'RSS last':>10} {'slope/100 steps':>16}"]
+    labels = sorted({label for s in warm for label in s["rss"]}, key=lambda k: (k != "driver", k))
+    for label in labels:
+        points = [(s["step"], s["rss"][label] / mib) for s in warm if label in s["rss"]]
+        if len(points) < 0.5 * len(warm):  # a process that came and went (an idle Ray worker, a short helper)
+            continue
+        lines.append(f"{label:<44} {points[0][1]:>7.1f} MiB {points[-1][1]:>7.1f} MiB {slope_per_100(points):>+12.2f} MiB")
+    total = [(s["step"], sum(s["rss"].values()) / mib) for s in warm]
+    lines.append(f"{'all processes':<44} {total[0][1]:>7.1f} MiB {total[-1][1]:>7.1f} MiB {slope_per_100(total):>+12.2f} MiB")
+    store = [(s["step"], s["object_store_bytes"]) for s in warm if s["object_store_bytes"] is not None]
+    if store:
+        lines.append(f"{'Ray object store (bytes used)':<44} {store[0][1]:>10,} {store[-1][1]:>10,} "
+                     f"{slope_per_100(store):>+12.0f} B   (max {max(v for _, v in store):,} B)")
+    else:
+        lines.append("Ray object store: not readable")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("overrides", nargs="*", help="more key=value overrides for rlframe.main")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlframe_soak_")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(workdir / "tiny_model")
+    run_dir = workdir / "run"
+    argv = ["recipe=grpo_math", *TINY, f"model.path={model}", f"trainer.run_dir={run_dir}",
+            f"rollout.engine={args.engine}", f"trainer.total_steps={args.steps}", *args.overrides]
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    sampler = Sampler(run_dir / "metrics.jsonl")
+    sampler.start()
+    start = time.perf_counter()
+    from rlframe.main import main as rlframe_main
+
+    sys.argv = ["rlframe.main", *argv]  # (the resume command a signal prints)
+    try:
+        rlframe_main(argv)
+    finally:
+        sampler.done.set()
+        sampler.join(timeout=5)
+        (workdir / "soak.json").write_text(json.dumps({"argv": argv, "samples": sampler.samples}))
+    print(f"\nsoak: {args.steps} steps ({args.engine} rollout) in {time.perf_counter() - start:.0f} s; "
+          f"samples in {workdir / 'soak.json'}")
+    for line in report(sampler.samples, args.steps):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
