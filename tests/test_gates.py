@@ -153,3 +153,17 @@ def test_gate_config_checks_name_the_key():
         validate_config(cfg)
     assert "trainer.gates.weight_sync: 'halt' is not one of warn, stop, off" in str(error.value)
     assert "trainer.gates.zero_variance_max_share: must be in [0, 1]" in str(error.value)
+
+
+def test_the_gates_history_survives_a_checkpoint():
+    """A resumed run's gates fire at the step the uninterrupted run's do (the history is in the driver state)."""
+    steady = {"reward/zero_variance_groups": 1.0, "reward/score_std": 0.0, "rollout/sampled_nll": 0.4}
+    whole = Gates(GatesConfig(constant_reward_steps=3), "float32", None)
+    resumed = Gates(GatesConfig(constant_reward_steps=3), "float32", None)
+    for step in (1, 2):
+        whole.check(step, steady)
+        resumed.check(step, steady)
+    restored = Gates(GatesConfig(constant_reward_steps=3), "float32", None)
+    restored.load_state_dict(json.loads(json.dumps(resumed.state_dict())))
+    assert whole.check(3, steady) == restored.check(3, steady)
+    assert restored.check(4, steady)["gates/constant_reward"] == 1.0 and restored.first_entropy == 0.4

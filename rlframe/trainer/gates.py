@@ -172,7 +172,7 @@ class Gates:
     """Runs every enabled rule after each step; keeps the few steps of history the rules need."""
 
     def __init__(self, config: GatesConfig, dtype: str, run_dir: Path | None):
-        self.config, self.run_dir = config, run_dir
+        self.config, self.run_dir, self.dtype = config, run_dir, dtype
         self.gap_threshold = logprob_gap_threshold(config, dtype)
         longest = max(config.zero_variance_window, config.constant_reward_steps, config.entropy_collapse_steps)
         self.shares: deque = deque(maxlen=longest)
@@ -223,6 +223,18 @@ class Gates:
                               + f". To run on anyway: trainer.gates.{stops[0].name}=warn")
         return {f"gates/{name}": float(event is not None) for name, event in events.items()}
 
+    def state_dict(self) -> dict:
+        """The history the rules over several steps read (saved in a checkpoint: a resumed run fires as the
+        uninterrupted one would)."""
+        return {"shares": list(self.shares), "stds": list(self.stds), "entropies": list(self.entropies),
+                "first_entropy": self.first_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shares.extend(state.get("shares", []))
+        self.stds.extend(state.get("stds", []))
+        self.entropies.extend(state.get("entropies", []))
+        self.first_entropy = state.get("first_entropy")
+
     def record(self, event: GateEvent) -> None:
         if self.run_dir is not None:
             with open(Path(self.run_dir) / "gates.jsonl", "a") as f:
@@ -236,7 +248,7 @@ def sync_check_metrics(check: dict | None) -> dict[str, float]:
     return {"weight_sync/checksum_tensors": float(check.get("streamed", check["checked"])),
             "weight_sync/checksum_unequal": float(check["unequal"]),
             "weight_sync/engine_changed": float(check["engine_changed"]),
-            "weight_sync/checksum_seconds": float(check.get("seconds", 0.0))}
+            "perf/weight_checksum_s": float(check.get("seconds", 0.0))}
 
 
 __all__ = ["GateEvent", "GateStopped", "Gates", "constant_reward_gate", "entropy_collapse_gate", "logprob_gap_gate",

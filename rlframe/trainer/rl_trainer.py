@@ -176,7 +176,8 @@ class RLTrainer(RunLoop):
         return bool(self.val_set)
 
     def driver_state(self) -> dict:
-        return {**self.rollouts.state_dict(), "kl_coef": getattr(self.kl_ctrl, "value", None)}
+        return {**self.rollouts.state_dict(), "kl_coef": getattr(self.kl_ctrl, "value", None),
+                "gates": self.gates.state_dict()}
 
     def before_restore(self, ckpt) -> None:
         self.rollouts.before_restore(None if ckpt is None else ckpt.step)
@@ -185,6 +186,9 @@ class RLTrainer(RunLoop):
         if state.get("kl_coef") is not None and self.kl_ctrl is not None:
             self.kl_ctrl.value = float(state["kl_coef"])  # the adaptive controller's beta
         self.rollouts.load_state_dict(state)
+        if "gates" in state:
+            self.gates = Gates(self.cfg.trainer.gates, self.gates.dtype, self.run_dir)
+            self.gates.load_state_dict(state["gates"])
 
     def begin(self, start_step: int) -> None:
         self.rollouts.reset(start_step)

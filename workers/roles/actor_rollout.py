@@ -182,7 +182,8 @@ class ActorRolloutWorker:
         start = time.perf_counter()
         info = self.engine.load_state(in_dir)
         if self.rollout is not None:  # (disaggregated: the driver broadcasts to the engines afterwards)
-            self._load_into_rollout()
+            _, _, trainer_sums = self._load_into_rollout(checksum=True)  # the next sync compares with these
+            self.synced_checksums = (trainer_sums, self.rollout.weight_checksums(self.streamed_shapes))
         return {**info, "seconds": time.perf_counter() - start}
 
     def rollout_sleep(self, discard_weights: bool = False) -> None:
