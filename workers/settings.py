@@ -52,6 +52,7 @@ class LoraSettings:
     target_modules: str | tuple[str, ...] = "all-linear"  # "all-linear", a regex, or module-name suffixes
     exclude_modules: tuple[str, ...] = ()
     load_in_4bit: bool = False
+    kind: str = "lora"  # lora | dora | rslora (workers/engine/lora.py ADAPTER_KINDS)
     seed: int = 0  # initialises A identically on every rank (each rank keeps its shard of the same A)
 
     @property

@@ -33,7 +33,7 @@ def lora_settings(cfg: RLConfig) -> LoraSettings:
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     return LoraSettings(rank=lora.rank, alpha=float(lora.alpha), dropout=float(lora.dropout), target_modules=targets,
                         exclude_modules=tuple(lora.exclude_modules), load_in_4bit=lora.load_in_4bit,
-                        seed=cfg.trainer.seed)
+                        kind=lora.kind, seed=cfg.trainer.seed)
 
 
 def uses_reference_policy(cfg: RLConfig) -> bool:

@@ -62,17 +62,12 @@ REFUSED_KINDS = {
 
 
 def adapter_kind(lora: LoraSettings) -> str:
-    return getattr(lora, "kind", "lora")
+    return lora.kind
 
 
 def adapter_kind_problem(kind: str, weight_sync: str = "merged") -> str | None:
     """Why `model.lora.kind=kind` cannot run here, with the fix; None when it can."""
     if kind in ADAPTER_KINDS:
-        import dataclasses
-
-        if kind != "lora" and "kind" not in {f.name for f in dataclasses.fields(LoraSettings)}:
-            return (f"'{kind}' cannot reach the engines yet: LoraSettings (workers/settings.py) has no `kind` field. "
-                    "Fix: model.lora.kind=lora")
         if kind == "dora" and weight_sync == "adapter":
             return ("DoRA adapters cannot be synced as adapters: vLLM's and the HF engine's LoRA layers apply B A "
                     "only, not DoRA's magnitude. Fix: model.lora.weight_sync=merged")

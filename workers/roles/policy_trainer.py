@@ -5,7 +5,8 @@ engine for validation and pair sampling, checkpoints, export) with two more upda
 
     update_sft(batch)   # -sum m_t log p(y_t) / tokens over the loss mask (response or all tokens)
     update_dpo(batch)   # rows 2i (chosen) and 2i+1 (rejected) share a prompt; ref_logps [2P] given
-                        # (the reference's summed or length-normalised log-probs, computed once)
+                        # (the reference's summed or length-normalised log-probs, computed once);
+                        # kto: unpaired rows with kto_label; rrhf: groups of group_size rows with rank_score
     compute_nll(batch)  # per-row NLL sums and token counts at temperature 1 (validation loss)
 
 The arithmetic of both objectives is `rlframe.algos.preference`; the engine runs the update loop
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rlframe.algos.preference import preference_loss, sequence_log_probs, sft_loss
+from rlframe.algos.preference import kto_loss, preference_loss, rrhf_loss, sequence_log_probs, sft_loss
 from rlframe.controller import Dispatch, register
 from rlframe.protocol import DataProto
 from rlframe.workers.engine.base import LossOutput
@@ -37,6 +38,9 @@ class PreferenceSettings:
     gamma: float = 0.5  # simpo's target margin
     label_smoothing: float = 0.0
     length_normalize: bool = False  # mean instead of summed token log-probs per response
+    desirable_weight: float = 1.0  # kto: w_D
+    undesirable_weight: float = 1.0  # kto: w_U
+    group_size: int = 0  # rrhf: replies per prompt (rows of a group are consecutive)
 
 
 class SFTObjective:
@@ -79,6 +83,61 @@ class PreferenceObjective:
             "dpo/logps_chosen": float(seq[0::2].detach().mean()), "dpo/logps_rejected": float(seq[1::2].detach().mean())})
 
 
+class KTOObjective:
+    """KTO over unpaired rows (kto_label 1 desirable / 0 not; ref_logps given), mean over the mini-batch's rows."""
+
+    def __init__(self, settings: PreferenceSettings):
+        self.settings = settings
+
+    def __call__(self, outputs: dict[str, torch.Tensor], micro: DataProto, agg: dict) -> LossOutput:
+        s = self.settings
+        log_probs = outputs["log_probs"]
+        device = log_probs.device
+        seq = sequence_log_probs(log_probs, micro.batch["response_mask"].to(device), s.length_normalize)
+        desirable = micro.batch["kto_label"].to(device).bool()
+        losses, stats = kto_loss(seq, micro.batch["ref_logps"].to(device), desirable, beta=s.beta,
+                                 desirable_weight=s.desirable_weight, undesirable_weight=s.undesirable_weight)
+        loss = losses.sum() / agg["num_seqs"]
+        rewards, detached = stats["rewards"], seq.detach()
+        good, bad = rewards[desirable], rewards[~desirable]
+        return LossOutput(loss, {"dpo/loss": float(loss.detach())}, {
+            "dpo/kl": float(stats["kl"]), "dpo/rewards_chosen": float(good.mean()) if good.numel() else 0.0,
+            "dpo/rewards_rejected": float(bad.mean()) if bad.numel() else 0.0,
+            "dpo/logps_chosen": float(detached[desirable].mean()) if good.numel() else 0.0,
+            "dpo/logps_rejected": float(detached[~desirable].mean()) if bad.numel() else 0.0})
+
+
+class RankingObjective:
+    """RRHF over groups of `group_size` consecutive rows (rank_score given): hinge ranking + the best's NLL,
+    divided by the mini-batch's number of groups."""
+
+    def __init__(self, settings: PreferenceSettings):
+        self.settings = settings
+
+    def __call__(self, outputs: dict[str, torch.Tensor], micro: DataProto, agg: dict) -> LossOutput:
+        log_probs = outputs["log_probs"]
+        device = log_probs.device
+        size = self.settings.group_size
+        if size < 2 or len(micro) % size:
+            raise ValueError(f"a ranking micro-batch has {len(micro)} rows: groups of {size} must stay together")
+        seq = sequence_log_probs(log_probs, micro.batch["response_mask"].to(device), length_normalize=True)
+        group = torch.arange(len(micro), device=device) // size
+        total, stats = rrhf_loss(seq, micro.batch["rank_score"].to(device), group)
+        loss = total / (agg["num_seqs"] / size)
+        groups = len(micro) / size
+        return LossOutput(loss, {"rft/loss": float(loss.detach())}, {
+            "rft/rank_loss": float(stats["rank_loss"]) / groups, "rft/nll_best": float(stats["nll_best"]) / groups})
+
+
+def preference_objective(settings: PreferenceSettings):
+    """kto: unpaired rows; rrhf: ranked groups; the other losses: chosen/rejected pairs."""
+    if settings.loss_type == "kto":
+        return KTOObjective(settings)
+    if settings.loss_type == "rrhf":
+        return RankingObjective(settings)
+    return PreferenceObjective(settings)
+
+
 def dpo_loop(loop: UpdateLoop, rows_per_step: int) -> UpdateLoop:
     """One unshuffled micro-batch per mini-batch: the engine keeps a micro-batch's rows in order."""
     return replace(loop, mini_batch_size=rows_per_step, micro_batch_size=rows_per_step, max_tokens_per_micro_batch=0,
@@ -108,7 +167,7 @@ class PolicyTrainerWorker(ActorRolloutWorker):
         self.rollout_sleep()
         self.engine.reload()
         metrics = self.engine.train_step(data, dpo_loop(self.settings.loop, len(data)),
-                                         PreferenceObjective(self.preference), seed=self.settings.seed + step)
+                                         preference_objective(self.preference), seed=self.settings.seed + step)
         self.engine.offload()
         return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
 
@@ -121,4 +180,5 @@ class PolicyTrainerWorker(ActorRolloutWorker):
         return DataProto.from_dict(tensors={"nll_sum": -(log_probs * mask).sum(-1), "nll_tokens": mask.sum(-1)})
 
 
-__all__ = ["PolicyTrainerWorker", "PreferenceSettings", "SFTObjective", "PreferenceObjective", "dpo_loop"]
+__all__ = ["KTOObjective", "PolicyTrainerWorker", "PreferenceSettings", "PreferenceObjective", "RankingObjective",
+           "SFTObjective", "dpo_loop", "preference_objective"]
