@@ -157,6 +157,7 @@ def run_live_checks(cfg: RLConfig, model_path: str, tokenizer, train_files: list
 
 
 def probe_and_step(trainer, cfg: RLConfig, threshold: float, dtype: str, start_s: float) -> list[CheckResult]:
+    """The sequence of the module's docstring, on a freshly started trainer (as RunLoop.run begins at step 0)."""
     results = []
     trainer.before_restore(None)
     trainer.begin(0)
