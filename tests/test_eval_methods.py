@@ -116,22 +116,23 @@ def test_bad_input_is_one_line_naming_the_argument(tmp_path, tiny_model_dir, ari
 
 
 def test_every_method_end_to_end_in_one_eval(tmp_path, tiny_model_dir, arithmetic_val):
-    """One `python -m rlframe.eval` (in this process) with every method on the tiny model: a row and a gain
-    each, and in the responses file each method's change: the CoT instruction in its prompts, the plain
+    """One `python -m rlframe.eval` (in this process) with every method on the tiny model, over 2 seeds: a row
+    and a gain each, and in the responses file (the first seed's) each method's change: the CoT instruction in its prompts, the plain
     answer and the check instruction in self-check's, every constrained response in the format."""
     out = tmp_path / "samples.jsonl"
     metrics = eval_main([f"model={tiny_model_dir}", f"data={arithmetic_val}", REWARD,
                          "engine=hf", "method=all", "constrain=boxed_only", "n=2", "k=1,2", "temperature=1.0",
-                         "max_samples=4", "max_response_length=40", "bootstrap=200", f"out={out}",
+                         "max_samples=4", "max_response_length=40", "bootstrap=200", "repeats=2", f"out={out}",
                          f"table={tmp_path / 'table.md'}"])
     for method in ("cot", "self_consistency", "self_check", "constrained"):
         assert {f"{method}/score", f"{method}/gain", f"{method}/gain_ci_low"} <= set(metrics), method
         assert metrics[f"{method}/gain"] == pytest.approx(metrics[f"{method}/score"] - metrics["accuracy"])
     assert metrics["self_consistency/score"] == metrics["maj@2"]  # the vote over plain's samples
     assert metrics["accuracy_ci_low"] <= metrics["accuracy"] <= metrics["accuracy_ci_high"]
-    assert (metrics["prompts"], metrics["n"], metrics["seeds"]) == (4.0, 2.0, "0")
+    assert (metrics["prompts"], metrics["n"], metrics["seeds"]) == (4.0, 2.0, "0,1")  # repeats=2: seeds 0 and 1
+    assert metrics["accuracy_seed_std"] >= 0.0 and "cot/accuracy_seed_std" in metrics
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") == 5 and "self_consistency (maj@2)" in table  # header + 5 methods
+    assert table.count("\n| ") == 5 and "self_consistency (maj@2)" in table and "seed sd" in table  # 5 methods
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by = {m: [r for r in rows if r["method"] == m] for m in ("plain", "cot", "self_check", "constrained")}
     assert all(len(v) == 8 for v in by.values()), {m: len(v) for m, v in by.items()}

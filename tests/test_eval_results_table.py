@@ -47,9 +47,11 @@ def test_rows_from_a_run_directory_and_kept_rows(tmp_path):
     out = tmp_path / "results.md"
     recipes_table.write_results({"grpo_math": "| `grpo_math` | rl | 14 | a | b | c | d | e |"}, out,
                                 notes=["- `grpo_math`: figures recorded elsewhere"])
+    out.write_text(out.read_text() + "\n## Other figures\n\nkept.\n")
     rows = recipes_table.existing_rows(out)
     rows["sft_math"] = row
     recipes_table.write_results(rows, out)
+    assert out.read_text().endswith("\n## Other figures\n\nkept.\n")  # a later section kept
     assert list(recipes_table.existing_rows(out)) == ["grpo_math", "sft_math"]  # the old row kept
     assert recipes_table.existing_notes(out) == ["- `grpo_math`: figures recorded elsewhere"]  # and its note
 

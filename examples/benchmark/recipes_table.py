@@ -120,14 +120,25 @@ def existing_notes(path: Path) -> list[str]:
     return notes
 
 
+def existing_sections(path: Path) -> str:
+    """The sections after the table (from its first "## " heading on), kept as they are."""
+    if not path.is_file():
+        return ""
+    text = path.read_text()
+    start = text.find("\n## ")
+    return text[start + 1:] if start >= 0 else ""
+
+
 def write_results(rows: dict[str, str], path: Path = RESULTS, notes: list[str] | None = None) -> None:
-    """The page: the introduction, one row per recipe (sorted), then the notes."""
+    """The page: the introduction, one row per recipe (sorted), the notes, then any later sections."""
     notes = existing_notes(path) if notes is None else notes
+    sections = existing_sections(path)
     lines = [INTRO, HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     lines += [rows[recipe] for recipe in sorted(rows)]
     if notes:
         lines += [""] + notes
-    path.write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    path.write_text(text + ("\n" + sections if sections else ""))
 
 
 def main() -> None:
