@@ -36,6 +36,9 @@ class TrainerConfig:
     # total_epochs x (training rows // data.train_batch_size).
     total_epochs: Optional[int] = bounded(None, ">= 1", "null: run trainer.total_steps steps")
     run_dir: Optional[str] = None  # default: runs/<experiment_name>-<timestamp>
+    # false: the console shows our progress line and our warnings; vLLM / Ray / transformers / torch output goes
+    # to <run_dir>/logs/ (driver.log, worker-<pid>.log). true: everything on the console as well.
+    verbose: bool = False
     project_name: str = "rlframe"
     experiment_name: str = "grpo_math"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
