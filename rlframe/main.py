@@ -18,6 +18,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -135,6 +136,7 @@ def compose_config(argv: list[str]) -> RLConfig:
         raise UsageError(f"unknown recipe '{recipe}' (looked for {recipe_path}).\n"
                          f"Available recipes: {', '.join(available_recipes())}. "
                          "Fix: recipe=<one of those> or recipe=/path/to/your_recipe.yaml")
+    check_recipe_file(recipe_path)
     # The typed schema is composed first, the recipe (a config group named after its folder) on
     # top of it, then the command-line overrides, so `key=value` works for every schema key.
     _register_schema()
@@ -145,8 +147,7 @@ def compose_config(argv: list[str]) -> RLConfig:
                                overrides=[f"+{group}@_global_={recipe_path.stem}", *overrides])
         merged = OmegaConf.merge(OmegaConf.structured(RLConfig), agent_section_as_multi_turn(composed))
     except (HydraException, OmegaConfBaseException) as err:
-        raise UsageError(f"in recipe '{recipe}' or its overrides: {err}\n"
-                         "Fix: check the key names against rlframe/config/ (e.g. actor.optim.lr=1e-6).") from None
+        raise UsageError(compose_error_message(err, recipe)) from None
     cfg: RLConfig = OmegaConf.to_object(merged)
     from rlframe.data.files import resolve_data_files
 
@@ -176,6 +177,80 @@ def compose_config(argv: list[str]) -> RLConfig:
         if plugin.path and Path(plugin.path).exists():
             plugin.path = str(Path(plugin.path).resolve())
     return apply_algorithm_defaults(cfg)  # "auto" policy-loss options -> the loss's published defaults
+
+
+def check_recipe_file(path: Path) -> None:
+    """A recipe is a YAML mapping with at least one key (an empty file would run on the schema's defaults)."""
+    import yaml
+
+    if path.is_dir():
+        raise UsageError(f"recipe {path} is a folder. Fix: recipe=<name> or recipe=/path/to/your_recipe.yaml")
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UsageError(f"recipe {path}{where}: YAML syntax error: {problem}. "
+                         "Fix: correct the YAML there (keys as `section:` blocks, lists in [ ] or `- ` lines)") from None
+    if content is None:
+        raise UsageError(f"recipe {path} is empty: nothing to run (it would train on the schema's defaults). "
+                         "Fix: write the recipe's keys into it, or recipe=grpo_math for the default")
+    if not isinstance(content, dict):
+        raise UsageError(f"recipe {path}: expected a mapping of sections (model:, data:, ...), got a "
+                         f"{type(content).__name__}. Fix: write it as `section: {{key: value}}` blocks")
+
+
+def compose_error_message(err: Exception, recipe: str) -> str:
+    """Hydra / OmegaConf's error as one line naming the key: a wrong type names the key and the type it takes."""
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, (ValidationError, ConfigKeyError)):
+        cause = cause.__cause__ or cause.__context__
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, ValidationError) and key:
+        wanted = type_in_words(field_type(key))
+        return (f"{key}: {getattr(cause, 'value', None)!r} is not {wanted} (in recipe '{recipe}' or its overrides). "
+                f"Fix: {key}=<{wanted}> (its meaning and default: rlframe/config/)")
+    text = str(cause if cause is not None else err).splitlines()[0]
+    return (f"in recipe '{recipe}' or its overrides: {text}\n"
+            "Fix: check the key names against rlframe/config/ (e.g. actor.optim.lr=1e-6).")
+
+
+def field_type(key: str) -> Any:
+    """The schema's declared type of a dotted key (`actor.optim.lr` -> float); None when it is not a field."""
+    import dataclasses
+    import typing
+
+    cls: Any = RLConfig
+    hint: Any = None
+    for part in key.split("."):
+        if part.isdigit() or part.startswith("["):  # a list index: the list's item type
+            args = typing.get_args(hint)
+            hint = args[0] if args else None
+            cls = hint
+            continue
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hint = typing.get_type_hints(cls).get(part)
+        cls = hint
+    return hint
+
+
+def type_in_words(hint: Any) -> str:
+    """int -> "a whole number", Optional[float] -> "a number (or null)", list[float] -> "a list of numbers"."""
+    import typing
+
+    words = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        return type_in_words(args[0]) + " (or null)"
+    if typing.get_origin(hint) is list:
+        return "a list" + (f" of {type_in_words(args[0]).split(' ', 1)[-1]}s" if args and args[0] in words else "")
+    if typing.get_origin(hint) is dict:
+        return "a mapping"
+    return words.get(hint, "another type")
 
 
 def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
@@ -210,12 +285,27 @@ def init_ray(cfg: RLConfig) -> None:
     connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, runtime_env(env_vars, cfg.trainer.runtime_env.working_dir))
 
 
-def run(cfg: RLConfig) -> dict:
+@dataclass
+class PreparedRun:
+    """What `prepare_run` checked and built before Ray: the run's folder, model folder, tokenizer and data files."""
+
+    run_dir: Path
+    model_path: str
+    tokenizer: Any
+    train_files: list[str]
+    val_files: list[str]
+
+
+def prepare_run(cfg: RLConfig) -> PreparedRun:
+    """Everything that can be known before Ray starts, after validate_config: the run directory's lock and where
+    the run starts (checkpoints, resume), the model folder's checks and the memory plan, the tokenizer, and the
+    data (every row read, checked, templated and counted, as the stage's driver will: rlframe/preflight.py).
+    Starts no Ray and no worker; bad input raises one of usage_errors() (or UsageError)."""
     from transformers import AutoTokenizer
 
     from rlframe.models.provision import resolve_model_path
-    from rlframe.trainer.run_dir import RunDirError, claim_run_dir, release_run_dir
-    from rlframe.trainer.signals import STOP
+    from rlframe.preflight import check_run_data
+    from rlframe.trainer.run_dir import RunDirError, claim_run_dir
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.run_dir or f"runs/{cfg.trainer.experiment_name}-{stamp}").resolve()
@@ -226,12 +316,19 @@ def run(cfg: RLConfig) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     print(f"run directory: {run_dir}", flush=True)
     model_path = resolve_model_path(cfg.model.path)
-    try:  # the checks that read the provisioned model folder, then the memory plan, before any worker starts
-        validate_before_workers(cfg, model_path)
-    except ConfigError as err:
-        raise UsageError(str(err)) from None
+    validate_before_workers(cfg, model_path)  # the checks that read the model folder, then the memory plan
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
+    check_run_data(cfg, tokenizer, train_files, val_files)
+    return PreparedRun(run_dir, model_path, tokenizer, train_files, val_files)
+
+
+def run(cfg: RLConfig) -> dict:
+    from rlframe.trainer.run_dir import release_run_dir
+    from rlframe.trainer.signals import STOP
+
+    prepared = prepare_run(cfg)
+    run_dir = prepared.run_dir
     init_ray(cfg)
     STOP.install()  # again: ray.init replaces the SIGTERM handler with one that aborts the driver
     from rlframe.controller.cluster import ClusterTooSmall, check_cluster, list_nodes, print_nodes
@@ -245,7 +342,8 @@ def run(cfg: RLConfig) -> dict:
         raise UsageError(str(err)) from None
     from rlframe.stages.run import make_trainer
 
-    trainer = make_trainer(cfg, model_path, tokenizer, train_files, val_files, run_dir)  # by cfg.stage
+    trainer = make_trainer(cfg, prepared.model_path, prepared.tokenizer, prepared.train_files, prepared.val_files,
+                           run_dir)  # by cfg.stage
     try:
         summary = trainer.fit()
     finally:
@@ -263,24 +361,23 @@ def run(cfg: RLConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rlframe.reward.manager import RewardError
+    """Compose, validate, run; bad input (usage_errors(): config, data, template, checkpoint, a reward that fails
+    on nearly every sample) ends as one `error:` screen, exit status 1; anything else keeps its traceback."""
     from rlframe.trainer.signals import Stopped, stop_signals
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    cfg = compose_config(argv)
     try:
+        cfg = compose_config(argv)
         validate_config(cfg)
-    except ConfigError as err:
+        with stop_signals():  # SIGINT / SIGTERM: stop at the next safe point (between steps); a second one: at once
+            try:
+                run(cfg)
+            except Stopped as stop:
+                print(stop.summary(), flush=True)
+                raise SystemExit(stop.exit_code) from None
+    except usage_errors() as err:
         raise UsageError(str(err)) from None
-    with stop_signals():  # SIGINT / SIGTERM: stop at the next safe point (between steps); a second one: at once
-        try:
-            run(cfg)
-        except Stopped as stop:
-            print(stop.summary(), flush=True)
-            raise SystemExit(stop.exit_code) from None
-        except RewardError as err:  # reward.max_failure_rate: the reward fails on nearly every sample
-            raise UsageError(str(err)) from None
 
 
 if __name__ == "__main__":

@@ -149,6 +149,12 @@ def ulysses_divides_world(cfg, need) -> None:
          f"{sp} must divide actor.world_size={world}. Fix: pick a divisor of the world size.")
 
 
+def remove_padding_known(cfg, need) -> None:
+    value = str(cfg.actor.use_remove_padding).lower()  # (a YAML true / false arrives as "True" / "False")
+    need(value in ("auto", "true", "false"), "actor.use_remove_padding",
+         f"{cfg.actor.use_remove_padding!r} is not one of auto, true, false. Fix: actor.use_remove_padding=auto")
+
+
 def ulysses_needs_packing(cfg, need) -> None:
     need(cfg.actor.ulysses_sequence_parallel_size == 1 or str(cfg.actor.use_remove_padding).lower() != "false",
          "actor.ulysses_sequence_parallel_size",
@@ -200,7 +206,7 @@ def clip_ratios_in_range(cfg, need) -> None:
              f"{c!r}: must be a number > 1, or null to turn the dual clip off")
 
 
-CHECKS = (strategy_known, mini_batch_divides_train_batch,
+CHECKS = (strategy_known, remove_padding_known, mini_batch_divides_train_batch,
           mini_batch_splits_over_ranks, ulysses_divides_world, ulysses_needs_packing, policy_loss_registered,
           policy_loss_reads_its_keys, loss_agg_mode_known, clip_ratios_in_range)
 

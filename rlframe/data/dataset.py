@@ -65,9 +65,7 @@ def read_rows(path: str | Path) -> list[dict]:
         return ds.to_list()
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
+        return _read_parquet(path)
     if suffix in (".csv", ".arrow") or (suffix == ".json" and _starts_with_bracket(path)):
         return read_with_datasets(path)
     if suffix in (".jsonl", ".json"):
@@ -91,6 +89,23 @@ def read_rows(path: str | Path) -> list[dict]:
                        f".arrow, a datasets save_to_disk folder or a hub id name@split")
 
 
+def _read_parquet(path: Path) -> list[dict]:
+    """A parquet file's rows; an empty file or one of another format (a CSV named .parquet) is a DatasetError."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.stat().st_size == 0:
+        raise DatasetError(f"{path}: the file is empty. Fix: write the data into it, or point data.train_files / "
+                           "data.val_files at the right file")
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        with open(path, "rb") as f:
+            head = f.read(200).decode("utf-8", "replace").splitlines()[0][:80] if path.stat().st_size else ""
+        raise DatasetError(f"{path}: not a parquet file ({exc}); it starts with {head!r}. Fix: convert it (e.g. "
+                           "pandas.read_csv(...).to_parquet(...)) or give it its real suffix (.csv, .jsonl)") from None
+
+
 def _starts_with_bracket(path: Path) -> bool:
     """A .json file holding one JSON array (rather than one object per line)."""
     with open(path, "rb") as f:
@@ -105,10 +120,15 @@ class _BadRow(ValueError):
         super().__init__(f"field {field!r}: {problem}")
 
 
-def _get_field(row: dict, dotted: str) -> Any:
+def _get_field(row: dict, dotted: str, key: str = "") -> Any:
+    """row["a"]["b"] for "a.b"; a missing column is named with the row's columns and `key`, the config key to set."""
     value: Any = row
-    for part in dotted.split("."):
+    for depth, part in enumerate(dotted.split(".")):
         if not isinstance(value, dict) or part not in value:
+            if depth == 0:
+                columns = ", ".join(map(str, row)) or "none"
+                fix = f" Fix: {key}=<the column that holds it>" if key else ""
+                raise _BadRow(dotted, f"missing (the row's columns: {columns}).{fix}")
             raise _BadRow(dotted, "missing")
         value = value[part]
     return value
@@ -223,17 +243,28 @@ class RLDataset:
         self.num_skipped = 0     # malformed rows dropped (bad_rows="skip")
         self.num_filtered = 0    # overlong prompts dropped (overlong="filter")
         self.num_truncated = 0   # overlong prompts cut (overlong="truncate_left")
+        self.num_read = 0        # rows read from the files
         per_file: list[list[dict]] = [self._load_file(path) for path in files]
         if file_weights is not None:
             per_file = _resample_files(per_file, file_weights, seed)
         self.rows: list[dict] = [row for rows in per_file for row in rows]
         if not self.rows:
-            raise DatasetError(f"no usable rows in {files}")
+            raise DatasetError(f"no usable rows in {', '.join(files)}{self.dropped_reason()}")
         if self.num_filtered or self.num_truncated:
             logger.info("RLDataset: %d prompts longer than max_prompt_length=%d were %s",
                         self.num_filtered or self.num_truncated, max_prompt_length,
                         "filtered out" if self.num_filtered else "left-truncated")
         logger.info("RLDataset: %d rows from %d file(s)", len(self.rows), len(files))
+
+    def dropped_reason(self) -> str:
+        """Why rows were dropped, for an error that counts too few: "; data.overlong=filter dropped 6 of 8 rows ..."."""
+        reasons = []
+        if self.num_filtered:
+            reasons.append(f"data.overlong=filter dropped {self.num_filtered} of {self.num_read} rows longer than "
+                           f"data.max_prompt_length={self.max_prompt_length} tokens")
+        if self.num_skipped:
+            reasons.append(f"data.bad_rows=skip dropped {self.num_skipped} of {self.num_read} malformed rows")
+        return ("; " + "; ".join(reasons)) if reasons else ""
 
     @staticmethod
     def _load_template(path: str | None):
@@ -250,10 +281,16 @@ class RLDataset:
         else:
             raise DatasetError(f"prompt_template file not found: {path} (data.prompt_template takes a Jinja file "
                                "or the template text, e.g. '{{ content }} Put the answer in \\boxed{}.')")
-        return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False).from_string(text)
+        try:
+            return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False).from_string(text)
+        except jinja2.TemplateSyntaxError as exc:
+            where = str(template_path) if text is not path else "the template text"
+            raise DatasetError(f"data.prompt_template: {where}, line {exc.lineno}: Jinja syntax error: {str(exc.message).rstrip('.')}. "
+                               "Fix: e.g. data.prompt_template='{{ content }} Put the answer in \\boxed{}.'") from None
 
     def _load_file(self, path: str) -> list[dict]:
         raw_rows = read_rows(path)
+        self.num_read += len(raw_rows)
         examples, texts, skipped, first_problem = [], [], 0, None
         for number, row in enumerate(raw_rows):
             try:
@@ -261,7 +298,7 @@ class RLDataset:
             except _BadRow as exc:
                 message = f"{path}, row {number}: {exc}"
                 if self.bad_rows == "error":
-                    raise DatasetError(message + " (bad_rows='skip' drops such rows)") from None
+                    raise DatasetError(message + " (data.bad_rows=skip drops such rows)") from None
                 skipped += 1
                 first_problem = first_problem or message
                 continue
@@ -282,8 +319,8 @@ class RLDataset:
                 if self.overlong == "error":
                     raise DatasetError(
                         f"{path}, row {example['row']}: field {self.prompt_key!r}: the prompt has {len(ids)} tokens, more "
-                        f"than max_prompt_length={self.max_prompt_length}. Raise "
-                        f"max_prompt_length or set overlong='filter' / 'truncate_left'")
+                        f"than data.max_prompt_length={self.max_prompt_length}. Fix: raise data.max_prompt_length, or "
+                        "data.overlong=filter (drop such rows) / truncate_left (keep their last tokens)")
                 if self.overlong == "filter" or "images" in example:  # image tokens are never cut
                     self.num_filtered += 1
                     continue
@@ -298,7 +335,7 @@ class RLDataset:
         """Validate one row and build its example (everything but the token ids of a text row)."""
         images = image_list(row, self.image_key) if self.image_key in row else None
         _find_bad_text({k: v for k, v in row.items() if k != self.image_key} if images is not None else row, "")
-        prompt = _get_field(row, self.prompt_key)
+        prompt = _get_field(row, self.prompt_key, "data.prompt_key")
         if isinstance(prompt, bytes):  # a parquet binary column holding (valid, checked above) UTF-8
             prompt = prompt.decode("utf-8")
         if isinstance(prompt, str):
@@ -309,13 +346,14 @@ class RLDataset:
                 try:
                     content = self._template.render(content=prompt, prompt=prompt, question=prompt, row=row)
                 except Exception as exc:
-                    raise _BadRow(self.prompt_key, f"prompt_template failed: {exc}") from None
+                    raise _BadRow(self.prompt_key, f"data.prompt_template failed on it: {type(exc).__name__}: {exc} "
+                                                   "(the template sees content, prompt, question and row)") from None
             messages = [{"role": "user", "content": content}]
         else:
             messages = _check_messages(prompt, self.prompt_key)
 
         answer_field = self.answer_key or "reward_model.ground_truth"
-        ground_truth = _get_field(row, answer_field)
+        ground_truth = _get_field(row, answer_field, "data.answer_key")
         if isinstance(ground_truth, bytes):
             ground_truth = ground_truth.decode("utf-8")
         if isinstance(ground_truth, np.ndarray):

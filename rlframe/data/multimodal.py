@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,17 @@ def decode_image(value: Any, field: str, base_dir: str | Path | None = None):
         try:
             image = Image.open(source)
             image.load()
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise ImageProblem(field, f"cannot decode the image ({what}): {exc}") from None
+        except UnidentifiedImageError:
+            raise ImageProblem(field, f"cannot decode the image ({what}): not an image format PIL reads (PNG, JPEG, "
+                                      "WebP, ...). Fix: store the encoded image file's bytes, or its path") from None
+        except (OSError, ValueError) as exc:
+            raise ImageProblem(field, f"cannot decode the image ({what}): {_without_reprs(exc)}") from None
     return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _without_reprs(exc: Exception) -> str:
+    """The error's text without object reprs such as <_io.BytesIO object at 0x7f...>."""
+    return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the image", str(exc)) or type(exc).__name__
 
 
 def fit_pixels(image, field: str, min_pixels: int, max_pixels: int, resize: bool):
