@@ -29,6 +29,16 @@ from test_actor_data_parallel import assert_same_update, synthetic_batch
 pytest.importorskip("deepspeed")
 
 CPU = DeviceProfile("cpu", torch.float32, "gloo", "sdpa", "hf", False)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_ops():
+    """DeepSpeed's communication op, compiled here (under the file lock) on a fresh machine: `make install` no
+    longer compiles it, and the first worker to need it would otherwise compile it inside its init deadline."""
+    from rlframe.workers.engine.deepspeed.ops import COMM_OPS, _import_deepspeed, build_ops
+
+    _import_deepspeed(CPU)  # (DeepSpeed's CPU accelerator, as the CPU workers use)
+    build_ops(COMM_OPS)
 GPU = DeviceProfile("cuda", torch.bfloat16, "nccl", "flash_attention_2", "vllm", True)
 
 
@@ -221,7 +231,7 @@ def fsdp_reference(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_update_equals_fsdp_at_1_and_2_ranks(ray_session, tiny_model_dir, tmp_path, zero_stage):
+def test_update_equals_fsdp_at_1_and_2_ranks(deepspeed_ops, ray_session, tiny_model_dir, tmp_path, zero_stage):
     reference = fsdp_reference(tiny_model_dir, tmp_path)
     # 1 rank, 2 micro-batches (padded rows)
     # (a small gather bucket: ZeRO-3 streams the weights in several gathers, the tied embedding alone)
@@ -251,7 +261,7 @@ def assert_same_weights(first: dict, second: dict, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.parametrize("zero_stage,adam_offload", [(3, False), (2, True)], ids=["zero3", "zero2-cpu-adam"])
-def test_checkpoint_round_trip_and_resume_on_fsdp(ray_session, tiny_model_dir, tmp_path, zero_stage, adam_offload):
+def test_checkpoint_round_trip_and_resume_on_fsdp(deepspeed_ops, ray_session, tiny_model_dir, tmp_path, zero_stage, adam_offload):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -292,7 +302,7 @@ def test_checkpoint_round_trip_and_resume_on_fsdp(ray_session, tiny_model_dir, t
 
 
 # ------------------------------------------------------------------------------------ end to end
-def test_grpo_two_steps_on_deepspeed_zero3(tmp_path, tiny_model_dir):
+def test_grpo_two_steps_on_deepspeed_zero3(deepspeed_ops, tmp_path, tiny_model_dir):
     """`python -m rlframe.main recipe=grpo_math_deepspeed` at ZeRO-3: the actor and the reference policy
     on DeepSpeed, HF rollout; weight sync proven by log-probs, and the checkpoint exports."""
     import json
@@ -347,7 +357,7 @@ def critic_batch():
     return data
 
 
-def test_critic_update_equals_fsdp_then_nonfinite_updates_skip_and_stop(ray_session, tiny_model_dir):
+def test_critic_update_equals_fsdp_then_nonfinite_updates_skip_and_stop(deepspeed_ops, ray_session, tiny_model_dir):
     """The value head (its own LR group) at ZeRO-3 on 2 ranks updates like the FSDP critic; a NaN
     return skips the step (values unchanged) and two in a row stop, as on FSDP."""
     from rlframe.controller import ResourcePool, WorkerGroup
