@@ -5,9 +5,10 @@ One `python -m rlframe.main` run (tiny model, HF rollout) in its own session:
   first's pid (before: both ran, metrics [1,2,1,2], config.yaml overwritten);
 - SIGTERM mid-run: it stops at the next safe point, saves the finished step, prints one line (step, checkpoint,
   the resume command) and exits 143 without a traceback (before: SIGABRT, exit 134, Ray's C++ signal dump);
-- resuming with another data.train_batch_size, or starting over with trainer.resume=disable, is refused;
 - the resumed run, sent SIGINT to its whole process group (what Ctrl-C does), exits 130 the same way (before: a
   40-line KeyboardInterrupt traceback, exit 1), and metrics.jsonl holds every step exactly once.
+(A resume with another batch size, resume=disable over a used folder and all checkpoints corrupt are refused by
+functions tests/test_run_dir.py runs on real folders: the same code, without paying for more runs here.)
 """
 
 from __future__ import annotations
@@ -91,17 +92,6 @@ def test_one_owner_and_clean_stops_on_sigterm_and_sigint(tmp_path, tiny_model_di
     assert "resume: python -m rlframe.main recipe=grpo_math" in summary and f"trainer.run_dir={run_dir}" in summary
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at}"
     assert _logged_steps(run_dir) == list(range(1, stopped_at + 1))
-
-    # a resume with another batch size, and a fresh start over the stopped run: both refused before any work
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    refusals = [subprocess.Popen([sys.executable, "-m", "rlframe.main", *args, *extra], cwd=tmp_path, env=env,
-                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                for extra in (["data.train_batch_size=2", "actor.ppo_mini_batch_size=2"], ["trainer.resume=disable"])]
-    (_, batch_err), (_, fresh_err) = (p.communicate(timeout=180) for p in refusals)  # (side by side)
-    assert [p.returncode for p in refusals] == [1, 1], batch_err[-2000:] + fresh_err[-2000:]
-    assert "data.train_batch_size: 4 -> 2" in batch_err and "trainer.resume_allow_changes=[" in batch_err, batch_err
-    assert f"step_{stopped_at}" in fresh_err and "trainer.fresh_start=move_aside" in fresh_err, fresh_err
-    assert "Traceback" not in batch_err + fresh_err
 
     # the resumed run, stopped by Ctrl-C (SIGINT to its process group)
     resumed_log = tmp_path / "resumed.log"
