@@ -47,7 +47,7 @@ class MultiTurnConfig:
     # where the environment's per-turn rewards go: final (their sum on the last model token, with the outcome
     # reward) | per_turn (each on the last token of the turn it judged; same total, so grpo/rloo see no change,
     # gae and reinforce_plus_plus with gamma < 1 credit each turn, and grpo_turn with turn_gamma < 1)
-    turn_rewards: str = one_of("final", TURN_REWARDS)
+    turn_rewards: str = "final"
 
 
 @dataclass
@@ -127,7 +127,7 @@ def tensor_parallel_divides_engine_ranks(cfg, need) -> None:
     tp = rollout.tensor_parallel_size
     engine_ranks = actor.world_size if colocated else (rollout.world_size or actor.world_size)
     need(tp < 1 or engine_ranks < 1 or engine_ranks % tp == 0, "rollout.tensor_parallel_size",  # (< 1: bounds)
-         f"{tp} must divide the {engine_ranks} ranks that run rollout engines "
+         f"{tp} must be >= 1 and divide the {engine_ranks} ranks that run rollout engines "
          f"({'actor.world_size' if colocated else 'rollout.world_size'}). Fix: a divisor of it")
 
 
@@ -151,6 +151,12 @@ def world_size_fits_placement(cfg, need) -> None:
          "in colocated placement the engines share the actor's devices (rollout.world_size = actor.world_size). "
          "Fix: drop rollout.world_size, or trainer.placement=disaggregated")
 
+
+
+def turn_rewards_known(cfg, need) -> None:
+    mt = cfg.rollout.multi_turn
+    need(mt.turn_rewards in TURN_REWARDS, "rollout.multi_turn.turn_rewards",
+         f"'{mt.turn_rewards}' is not final or per_turn. Fix: rollout.multi_turn.turn_rewards=per_turn")
 
 
 def multi_turn_one_rank_per_engine(cfg, need) -> None:
@@ -252,7 +258,7 @@ def partial_staleness_bounds(cfg, need) -> None:
 
 
 CHECKS = (tensor_parallel_divides_engine_ranks, tensor_parallel_supported, world_size_fits_placement,
-          multi_turn_one_rank_per_engine, multi_turn_files_load, tag_format_tools_take_one_argument,
+          turn_rewards_known, multi_turn_one_rank_per_engine, multi_turn_files_load, tag_format_tools_take_one_argument,
           partial_can_continue, partial_staleness_bounds)
 
 
