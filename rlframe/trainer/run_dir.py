@@ -50,8 +50,9 @@ OWNER_FILE = "owner.json"
 PREVIOUS_DIR = "previous"
 # What a run writes in its directory (moved aside together by trainer.fresh_start=move_aside). The
 # generated data sets under data/ are left: the same settings regenerate the same rows.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "timeline.jsonl", "gates.jsonl", "*_samples.jsonl", "summary.json", "report.html",
-               "hf_model", "config.yaml", "tensorboard", "wandb", "eval_checkpoints*", "data/pairs.jsonl", "logs", "*.log")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "timeline.jsonl", "gates.jsonl", "*_samples.jsonl", "summary.json",
+               "report.html", "hf_model", "config.yaml", "tensorboard", "wandb", "eval_checkpoints*", "data/pairs.jsonl",
+               "logs", "*.log")
 FRESH_START_MODES = ("refuse", "move_aside")
 
 
