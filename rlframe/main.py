@@ -270,7 +270,9 @@ def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
     return [str(train)], [str(val)]
 
 
-def init_ray(cfg: RLConfig) -> None:
+def init_ray(cfg: RLConfig, run_dir: Path | None = None) -> None:
+    """Join or start the Ray cluster. With `run_dir` (and not trainer.verbose), every worker's stdout and stderr
+    (vLLM, transformers, torch, tqdm) go to <run_dir>/logs/worker-<pid>.log, our own warnings still to the console."""
     import ray
 
     if ray.is_initialized():
@@ -282,7 +284,13 @@ def init_ray(cfg: RLConfig) -> None:
     from rlframe.controller.cluster import connect, runtime_env
 
     env_vars.update(cfg.trainer.runtime_env.env_vars)
-    connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, runtime_env(env_vars, cfg.trainer.runtime_env.working_dir))
+    env = runtime_env(env_vars, cfg.trainer.runtime_env.working_dir)
+    if run_dir is not None and not cfg.trainer.verbose:  # a quiet console (workers/log_capture.py)
+        from rlframe.workers.log_capture import worker_log_env
+
+        env["env_vars"].update(worker_log_env(run_dir, cfg.trainer.verbose))
+        env["worker_process_setup_hook"] = "rlframe.workers.log_capture.capture_worker_output"
+    connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, env)
 
 
 @dataclass
@@ -313,6 +321,9 @@ def prepare_run(cfg: RLConfig) -> PreparedRun:
         claim_run_dir(cfg, run_dir)
     except RunDirError as err:
         raise UsageError(str(err)) from None
+    from rlframe.workers.log_capture import route_driver_logs
+
+    route_driver_logs(run_dir, cfg.trainer.verbose)  # library chatter to <run_dir>/logs/driver.log (after the claim)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     print(f"run directory: {run_dir}", flush=True)
     model_path = resolve_model_path(cfg.model.path)
@@ -329,7 +340,7 @@ def run(cfg: RLConfig) -> dict:
 
     prepared = prepare_run(cfg)
     run_dir = prepared.run_dir
-    init_ray(cfg)
+    init_ray(cfg, run_dir)
     STOP.install()  # again: ray.init replaces the SIGTERM handler with one that aborts the driver
     from rlframe.controller.cluster import ClusterTooSmall, check_cluster, list_nodes, print_nodes
     from rlframe.trainer.launch import cluster_request
