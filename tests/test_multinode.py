@@ -111,10 +111,11 @@ def test_more_devices_than_the_cluster_has_fails_before_workers(cluster, tmp_pat
 def test_disaggregated_and_colocated_on_two_nodes(cluster, tmp_path, tiny_model_dir):
     # Disaggregated: 2 trainer ranks fill node_a, 2 rollout engines fill node_b.
     disagg, seen, result = _train(cluster, tmp_path, tiny_model_dir, "disaggregated", "trainer.placement=disaggregated",
-                                  "trainer.devices_per_node=2", "rollout.world_size=2")
+                                  "trainer.devices_per_node=2", "rollout.world_size=2", "trainer.verbose=true")
     assert "workers: disaggregated placement; pool actor = 2 x actor_rollout+ref" in result.stdout
     assert "pool rollout = 2 x rollout" in result.stdout
-    logs = result.stdout + result.stderr  # every worker's output reaches the driver, prefixed by group, rank, roles
+    # trainer.verbose=true: every worker's output reaches the driver's console, prefixed by group, rank, roles
+    logs = result.stdout + result.stderr
     # (Ray forwards logs asynchronously: ask for some rank of each group, not for every line.)
     assert re.search(r"WorkerHost\(rollout, rank=[01]/2, roles=\['rollout'\]\)", logs), logs[-3000:]
     assert re.search(r"WorkerHost\(actor, rank=[01]/2, roles=\['actor_rollout', 'ref'\]\)", logs), logs[-3000:]
@@ -137,6 +138,8 @@ def test_disaggregated_and_colocated_on_two_nodes(cluster, tmp_path, tiny_model_
     coloc, seen, result = _train(cluster, tmp_path, tiny_model_dir, "colocated", "trainer.placement=colocated",
                                  "trainer.devices_per_node=1", f"trainer.runtime_env.working_dir={user_code}")
     assert all("working_dir" in v["env"] and MARK in v["env"] for v in seen.values())
+    # the default quiet console: the workers' output goes to the run's logs/, one file per worker process
+    assert len(list((tmp_path / "colocated" / "logs").glob("worker-*.log"))) >= 2
     assert {k: v["node"] for k, v in seen.items()} == {("colocated", 0): "node_a", ("colocated", 1): "node_b"}
     assert {k: v["pg"] for k, v in seen.items()} == {("colocated", 0): "colocated_0", ("colocated", 1): "colocated_1"}
     assert coloc[1]["rollout/logprob_abs_diff"] < 1e-3
