@@ -138,8 +138,8 @@ def test_unknown_stage_is_a_config_error():
     cfg = RLConfig()
     cfg.stage = "pretrain"
     cfg.sft.loss_on = "prompt"
-    with pytest.raises(ConfigError, match="stage: 'pretrain' is not one of rl, sft, dpo, rm"):
+    with pytest.raises(ConfigError, match="stage: 'pretrain' is not one of rl, pt, sft, dpo, rm, rft"):
         validate_config(cfg)
     cfg.stage = "sft"
-    with pytest.raises(ConfigError, match="sft.loss_on: 'prompt' is not response or all"):
+    with pytest.raises(ConfigError, match="sft.loss_on: 'prompt' is not one of response, all"):
         validate_config(cfg)

@@ -34,8 +34,11 @@ def _args(model_dir, run_dir, *extra):
 
 def _start(args, cwd, log):
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    # SIGINT at its default, as in a terminal: a shell's background job (CI's, or `cmd &`) inherits it ignored,
+    # and the driver keeps an ignored SIGINT ignored (what a background job asked for)
     return subprocess.Popen([sys.executable, "-m", "rlframe.main", *args], cwd=cwd, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _logged_steps(run_dir):
