@@ -94,32 +94,20 @@ def generate_constrained(engine, prompts: DataProto, sampling, constraint: Const
 
 
 def _generate_vllm(engine, prompts: DataProto, sampling, constraint: Constraint) -> DataProto:
-    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
+
+    from rlframe.workers.rollout.vllm_rollout import rollout_batch_from_outputs, sampling_params
 
     structured = (StructuredOutputsParams(regex=constraint.text) if constraint.kind == "regex"
                   else StructuredOutputsParams(json=constraint.text, disable_any_whitespace=True))
     engine.wake_up(tags=["weights", "kv_cache"])
-    options = dict(n=1, max_tokens=sampling.max_new_tokens, logprobs=0, temperature=sampling.temperature,
-                   top_p=sampling.top_p if not sampling.greedy else 1.0,
-                   top_k=sampling.top_k if not sampling.greedy else -1, structured_outputs=structured)
-    seeds = prompts.non_tensor_batch.get("sample_seed")
-    if seeds is not None and not sampling.greedy:
-        params = [SamplingParams(**options, seed=int(seed)) for seed in seeds]
-    else:
-        params = SamplingParams(**options)
+    params = sampling_params(sampling, prompts.non_tensor_batch.get("sample_seed"), structured_outputs=structured)
     requests = [{"prompt_token_ids": ids} for ids in unpadded_prompts(prompts)]
     try:
         outputs = engine.llm.generate(requests, params, use_tqdm=False)
     except ValueError as error:  # vLLM refuses a structured-output request it cannot serve
         raise ConstraintError(f"vLLM refused it ({str(error).splitlines()[0]})") from None
-    responses, log_probs = [], []
-    for out in outputs:
-        completion = out.outputs[0]
-        tokens = list(completion.token_ids)
-        responses.append(tokens)
-        log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
-    return build_rollout_batch(prompts, responses, log_probs, sampling.max_new_tokens, engine.pad_token_id)
+    return rollout_batch_from_outputs(prompts, outputs, sampling.max_new_tokens, engine.pad_token_id)
 
 
 @torch.no_grad()

@@ -139,6 +139,30 @@ def _check_vision_language_support(model_path: str, trust_remote_code: bool) -> 
             "built for this torch")
 
 
+def sampling_params(sampling: SamplingSettings, seeds=None, **extra):
+    """vLLM's SamplingParams for `sampling` (plus `extra` options, e.g. structured_outputs): one per sample,
+    seeded by its `sample_seed`, when sampling (so a resume samples the same tokens); else one for every request."""
+    from vllm import SamplingParams
+
+    options = dict(n=1, max_tokens=sampling.max_new_tokens, logprobs=0, temperature=sampling.temperature,
+                   top_p=sampling.top_p if not sampling.greedy else 1.0,
+                   top_k=sampling.top_k if not sampling.greedy else -1, **extra)
+    if seeds is not None and not sampling.greedy:
+        return [SamplingParams(**options, seed=int(seed)) for seed in seeds]
+    return SamplingParams(**options)
+
+
+def rollout_batch_from_outputs(prompts: DataProto, outputs, max_new_tokens: int, pad_token_id: int) -> DataProto:
+    """vLLM's outputs (one completion per request) -> the rollout batch: the sampled ids and their log-probs."""
+    responses, log_probs = [], []
+    for out in outputs:
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        responses.append(tokens)
+        log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+    return build_rollout_batch(prompts, responses, log_probs, max_new_tokens, pad_token_id)
+
+
 class VLLMRollout:
     def __init__(self, model_path: str, profile: DeviceProfile, *, max_model_len: int, seed: int,
                  pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: float = 1.0,
@@ -248,16 +272,11 @@ class VLLMRollout:
         return len(state)
 
     def generate(self, prompts: DataProto, sampling: SamplingSettings) -> DataProto:
-        from vllm import SamplingParams
-
         if self.weights_discarded:
             raise RuntimeError("generate() after a level-2 sleep without load_weights(): the engine's weights "
                                "were discarded. The driver promised an update (meta_info update_follows) that "
                                "did not come")
         self.wake_up(tags=["weights", "kv_cache"])
-        options = dict(n=1, max_tokens=sampling.max_new_tokens, logprobs=0, temperature=sampling.temperature,
-                       top_p=sampling.top_p if not sampling.greedy else 1.0,
-                       top_k=sampling.top_k if not sampling.greedy else -1)
         requests = [{"prompt_token_ids": ids} for ids in unpadded_prompts(prompts)]
         images = prompts.non_tensor_batch.get("multi_modal_data")
         if images is not None:  # vision-language rows: vLLM expands the image placeholders itself
@@ -266,19 +285,9 @@ class VLLMRollout:
                 if data is not None:
                     request["prompt_token_ids"] = collapse_image_tokens(request["prompt_token_ids"], image_token)
                     request["multi_modal_data"] = data
-        seeds = prompts.non_tensor_batch.get("sample_seed")
-        if seeds is not None and not sampling.greedy:  # one generator per sample: resume samples the same tokens
-            params = [SamplingParams(**options, seed=int(seed)) for seed in seeds]
-        else:
-            params = SamplingParams(**options)
+        params = sampling_params(sampling, prompts.non_tensor_batch.get("sample_seed"))
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
-        responses, log_probs = [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            responses.append(tokens)
-            log_probs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
-        return build_rollout_batch(prompts, responses, log_probs, sampling.max_new_tokens, self.pad_token_id)
+        return rollout_batch_from_outputs(prompts, outputs, sampling.max_new_tokens, self.pad_token_id)
 
     # Memory hand-over between trainer and engine
     def sleep(self, discard_weights: bool = False) -> None:
