@@ -196,15 +196,7 @@ def phase_chart(steps: dict[int, dict[str, float]]) -> str | None:
 
 def read_samples(run_dir: Path, limit: int = 16) -> list[dict]:
     """The last validation's sample rollouts (validation_samples.jsonl; `step` when the trainer wrote it)."""
-    path = run_dir / "validation_samples.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    rows = read_jsonl_rows(run_dir / "validation_samples.jsonl")
     if rows and "step" in rows[-1]:
         last = rows[-1]["step"]
         rows = [r for r in rows if r.get("step") == last]
@@ -213,7 +205,11 @@ def read_samples(run_dir: Path, limit: int = 16) -> list[dict]:
 
 def read_gate_events(run_dir: Path) -> list[dict]:
     """gates.jsonl: one row per gate that fired (rlframe/trainer/gates.py), in order."""
-    path = run_dir / "gates.jsonl"
+    return read_jsonl_rows(run_dir / "gates.jsonl")
+
+
+def read_jsonl_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file, in order; [] when it is absent; a line cut by a crash is skipped."""
     if not path.is_file():
         return []
     rows = []
