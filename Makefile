@@ -9,13 +9,13 @@ PYTHON ?= python3
 VENV ?= .venv
 # The extras of the last `make install` are remembered (.venv/.extras): after
 # `make install EXTRAS=gpu,dev,deepspeed,megatron`, a plain `make run` / `make test` keeps the GPU stack.
-EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron,docs,eval)
+EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron,docs,eval,board,agents)
 ARGS ?= recipe=grpo_math
 BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install run doctor test test-all docs clean
+.PHONY: install run doctor board test test-all docs clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ run: install
 # step) before training it: `make doctor ARGS="recipe=grpo_math_lora"`. Writes <run_dir>/doctor.json; exits 1 on a fail.
 doctor: install
 	$(BIN)/python -m rlframe.doctor $(ARGS)
+
+# The web board: configure, launch, watch, evaluate and chat with runs from a page on http://127.0.0.1:7860.
+board: install
+	$(BIN)/python -m rlframe.board $(BOARD_ARGS)
 
 # The docs site is built with --strict first: a broken link or API reference fails the test (and CI).
 test: install docs
