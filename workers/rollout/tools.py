@@ -1,19 +1,21 @@
 """Tools for multi-turn rollouts: loading user tool files, parsing tool calls, running calls with a deadline.
 
 A tool file is an ordinary Python script (see `tools/` at the top of the repository), written the way a
-reward script is:
-
-    TOOL_SCHEMAS = {"calculator": {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}}
+reward script is; a typed function with a docstring is enough:
 
     def calculator(expression: str) -> str:
-        ...
+        '''Evaluate an arithmetic expression.
+
+        Args:
+            expression: the expression, e.g. 12 * (3 + 4)
+        '''
 
 The config names the file and the function (`rollout.multi_turn.tools=[{path: tools/calculator.py,
-name: calculator}]`); the schema (the OpenAI function-calling form) is `TOOL_SCHEMAS[name]` in that
-file. The function gets the call's arguments as keyword arguments and returns the observation text.
+name: calculator}]`); the schema (the OpenAI function-calling form) is the file's own when it has one
+(TOOL_SCHEMAS, SCHEMA, TOOLS, or a `schema` attribute on the function), else derived from the type hints
+and the docstring (workers/rollout/tool_schemas.py). The function gets the call's arguments as keyword
+arguments and returns the observation text (or a ToolResult). Tools of MCP servers join the same way
+(workers/rollout/mcp_tools.py).
 
 Parsers turn a model turn's text into tool calls (pluggable: `TOOL_CALL_PARSERS`):
   hermes  `<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>` (Qwen, SmolLM2)
@@ -40,9 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class ToolLoadError(ValueError):
-    """A tool file, function or schema cannot be loaded; the message names the file and the function."""
+from rlframe.workers.rollout.tool_schemas import ToolLoadError, check_schema, find_schema  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ToolCall:
 @dataclass
 class ToolResult:
     text: str
-    error: str | None = None  # "parse" | "unknown_tool" | "arguments" | "exception" | "timeout"
+    error: str | None = None  # "parse" | "unknown_tool" | "arguments" | "exception" | "timeout" | "server"
 
 
 @dataclass
@@ -112,26 +112,8 @@ def _import_tool_file(path: Path, what: str = "tool"):
     return module
 
 
-def check_schema(schema: object, where: str) -> None:
-    """An OpenAI function-calling schema whose `parameters` is a valid JSON schema of an object."""
-    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
-        raise ToolLoadError(f"{where}: the schema must be {{'type': 'function', 'function': {{'name', 'description', "
-                            f"'parameters'}}}}, got {schema!r}")
-    parameters = schema["function"].get("parameters", {"type": "object", "properties": {}})
-    try:
-        import jsonschema
-
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
-    except ImportError:
-        pass
-    except Exception as exc:  # jsonschema.SchemaError
-        raise ToolLoadError(f"{where}: 'parameters' is not a valid JSON schema: {exc}") from None
-    if not isinstance(parameters, dict) or parameters.get("type") != "object":
-        raise ToolLoadError(f"{where}: 'parameters' must be a JSON schema with type 'object'")
-
-
 def load_tool(path: str, name: str) -> Tool:
-    """Import `path` and return its function `name` with the schema `TOOL_SCHEMAS[name]`."""
+    """Import `path` and return its function `name` with its schema (the file's, else derived: tool_schemas.py)."""
     resolved = resolve_tool_path(path)
     module = _import_tool_file(resolved, f"tool '{name}'")
     function = getattr(module, name, None)
@@ -139,11 +121,8 @@ def load_tool(path: str, name: str) -> Tool:
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
                          and getattr(v, "__module__", None) == module.__name__)
         raise ToolLoadError(f"tool file {resolved} has no function '{name}' (it defines: {', '.join(defined) or 'none'})")
-    schemas = getattr(module, "TOOL_SCHEMAS", {})
-    if name not in schemas:
-        raise ToolLoadError(f"tool file {resolved}: TOOL_SCHEMAS has no entry '{name}' (the function's JSON schema)")
-    check_schema(schemas[name], f"tool file {resolved}, TOOL_SCHEMAS['{name}']")
-    return Tool(name=name, function=function, schema=schemas[name], path=str(resolved))
+    schema, _ = find_schema(module, function, name, str(resolved))
+    return Tool(name=name, function=function, schema=schema, path=str(resolved))
 
 
 # ---------------------------------------------------------------------------- parsers
@@ -281,7 +260,8 @@ class ToolCallRun:
 
     def _run(self, tool: Tool) -> None:
         try:
-            self._finish(ToolResult(str(tool.function(**self.call.arguments))))
+            value = tool.function(**self.call.arguments)  # an MCP tool returns a ToolResult (its error named)
+            self._finish(value if isinstance(value, ToolResult) else ToolResult(str(value)))
         except BaseException as exc:  # the tool's fault, not the rollout's
             self._finish(ToolResult(f"Error: {type(exc).__name__}: {exc}", error="exception"))
 
