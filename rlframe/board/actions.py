@@ -1,0 +1,191 @@
+"""What each button of the page does, as plain methods on `Board` (the page wiring is app.py).
+
+Every method takes and returns plain values (text, tables, paths), so tests call them without a browser;
+bad input comes back as an `error: ...` message for the page, and nothing starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from rlframe.board import runs as runs_mod
+from rlframe.board.datafiles import inspect_data
+from rlframe.board.forms import TrainForm, form_overrides, train_args
+from rlframe.board.launcher import Launcher
+from rlframe.board.preview import Preview, run_preview
+from rlframe.board.security import BoardError, check_python, clean_name, keep_upload
+from rlframe.board.tools import ChatModel, error_lines, eval_args, eval_table, export_args, run_tool
+
+RECIPE_REWARD = "(the recipe's own)"
+
+
+def error_text(err: BaseException) -> str:
+    message = str(err)
+    return message if message.startswith("error: ") else f"error: {message}"
+
+
+class Board:
+    """The board's state: its workspace folder (runs/, uploads/, exports/, settings/, logs/), its processes,
+    the chat model."""
+
+    def __init__(self, workspace: str | Path):
+        self.workspace = Path(workspace).resolve()
+        for sub in ("runs", "uploads", "exports", "settings", "logs", "scratch"):
+            (self.workspace / sub).mkdir(parents=True, exist_ok=True)
+        self.launcher = Launcher(self.workspace)
+        self.chat_model: ChatModel | None = None
+
+    # ---------------------------------------------------------------- train form
+    def run_dir(self, name: str) -> Path:
+        return self.workspace / "runs" / clean_name(name)
+
+    def default_run_name(self, form: TrainForm) -> str:
+        return f"{Path(form.recipe).stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+    def preview(self, form: TrainForm, run_name: str, deep: bool = True) -> tuple[Preview, str]:
+        """(the preview, the run name used): the form composed once for the YAML's base, then every check."""
+        run_name = clean_name(run_name.strip()) if run_name.strip() else self.default_run_name(form)
+        run_dir = self.run_dir(run_name)
+        scratch = self.workspace / "scratch" / run_name
+        base = run_preview(form_overrides(form) + [f"trainer.run_dir={run_dir}"], run_dir, scratch, deep=False)
+        if not base.ok:
+            return base, run_name
+        try:
+            args = train_args(form, run_dir, base.composed)
+        except ValueError as err:  # the YAML editor's text (forms.YamlError) or a value that cannot be written
+            base.ok, base.error = False, error_text(err)
+            return base, run_name
+        return run_preview(args, run_dir, scratch, deep=deep), run_name
+
+    def launch(self, form: TrainForm, run_name: str) -> tuple[Preview, str, str]:
+        """Preview, then start exactly the previewed arguments; (preview, run name, message)."""
+        preview, run_name = self.preview(form, run_name)
+        if not preview.ok:
+            return preview, run_name, "not started: fix the error above first"
+        try:
+            launched = self.launcher.launch(preview.args, self.run_dir(run_name))
+        except BoardError as err:
+            preview.ok, preview.error = False, error_text(err)
+            return preview, run_name, "not started"
+        return preview, run_name, f"started pid {launched.pid}: {launched.command}"
+
+    def full_yaml(self, form: TrainForm, run_name: str) -> str:
+        import yaml
+
+        preview, _ = self.preview(form, run_name or "yaml-view", deep=False)
+        if not preview.ok:
+            raise BoardError(preview.error)
+        return yaml.safe_dump(preview.composed, sort_keys=False, allow_unicode=True)
+
+    def upload_data(self, path: str):
+        """Keep an uploaded data file in the workspace and read its first rows; BoardError when unusable."""
+        kept = keep_upload(path, self.workspace, "data")
+        try:
+            return kept, inspect_data(kept)
+        except BoardError:
+            kept.unlink()  # an unusable file is not kept
+            raise
+
+    def upload_reward(self, path: str) -> tuple[Path, list[str]]:
+        kept = keep_upload(path, self.workspace, "reward")
+        return kept, check_python(kept)
+
+    def reward_choices(self) -> list[str]:
+        from rlframe.main import shipped_dir
+
+        shipped = sorted(f"reward_fns/{p.name}" for p in shipped_dir("reward_fns").glob("*.py") if p.name != "__init__.py")
+        uploaded = sorted(str(p) for p in (self.workspace / "uploads").glob("*.py"))
+        return [RECIPE_REWARD, *shipped, *uploaded]
+
+    def try_reward(self, form: TrainForm):
+        from rlframe.board.rewards import try_reward
+
+        return try_reward(form_overrides(form), self.workspace / "scratch" / "try-reward")
+
+    # ---------------------------------------------------------------- watch and runs
+    def run_names(self) -> list[str]:
+        folders = [p for p in (self.workspace / "runs").iterdir() if p.is_dir()]
+        return [p.name for p in sorted(folders, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+    def watch(self, run_name: str) -> dict:
+        """Everything the Watch tab shows of one run."""
+        empty = {"progress": "", "status": "", "plots": {t: runs_mod.curve_frame({}, t) for t, _ in runs_mod.CURVES},
+                 "table": runs_mod.metric_table({}), "samples": runs_mod.samples_frame(Path("/nonexistent")), "log": ""}
+        if not run_name:
+            return empty
+        run_dir = self.run_dir(run_name)
+        if not run_dir.is_dir():
+            return {**empty, "status": f"no run folder {run_dir}"}
+        steps = runs_mod.read_steps(run_dir)
+        return {"progress": runs_mod.progress(run_dir, steps).line(),
+                "status": runs_mod.status(run_dir, self.launcher.exit_code(run_dir)),
+                "plots": {t: runs_mod.curve_frame(steps, t) for t, _ in runs_mod.CURVES},
+                "table": runs_mod.metric_table(steps), "samples": runs_mod.samples_frame(run_dir),
+                "log": runs_mod.log_tail(self.launcher.log_of(run_dir))}
+
+    def stop(self, run_name: str) -> str:
+        return self.launcher.stop(self.run_dir(run_name))
+
+    def resume(self, run_name: str) -> str:
+        launched = self.launcher.resume(self.run_dir(run_name))
+        return f"resumed, pid {launched.pid}: {launched.command}"
+
+    def runs_table(self) -> pd.DataFrame:
+        return runs_mod.list_runs(self.workspace / "runs", self.launcher.exit_codes())
+
+    def compare(self, names: list[str], key: str) -> pd.DataFrame:
+        return runs_mod.compare_frame([self.run_dir(n) for n in names or []], key)
+
+    def report(self, run_name: str) -> str:
+        return runs_mod.report_html(self.run_dir(run_name)) if run_name else ""
+
+    # ---------------------------------------------------------------- evaluate, export, chat
+    def target_path(self, value: str) -> str:
+        """A run name of this workspace -> its folder; anything else as given (a folder path)."""
+        value = (value or "").strip()
+        return str(self.run_dir(value)) if value and self.run_dir(value).is_dir() else value
+
+    def evaluate(self, target: str, n: int, k: str, temperature: float, data: str, reward: str,
+                 max_samples: int | None) -> tuple[pd.DataFrame, str]:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = self.workspace / "evals" / f"{clean_name(Path(self.target_path(target)).name)}-{stamp}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        args = eval_args(self.target_path(target), n, k, temperature, data, reward, max_samples or None, out)
+        code, output = run_tool(self.launcher, "rlframe.eval", args, self.workspace / "logs" / "eval.log")
+        if code != 0:
+            return eval_table(""), error_lines(output) or output[-4000:]
+        return eval_table(output), output[-4000:]
+
+    def export(self, source: str, name: str, merge: bool) -> str:
+        source = self.target_path(source)
+        name = clean_name(name.strip()) if name.strip() else f"{Path(source).name}-export"
+        out = self.workspace / "exports" / name
+        if out.exists() and any(out.iterdir()):
+            raise BoardError(f"{out} exists already (an earlier export is not overwritten). Fix: another export name")
+        code, output = run_tool(self.launcher, "rlframe.export", export_args(source, out, merge),
+                                self.workspace / "logs" / "export.log")
+        if code != 0:
+            raise BoardError(error_lines(output) or output[-3000:])
+        return f"exported to {out}"
+
+    def chat_choices(self) -> list[str]:
+        exports = [str(p) for p in sorted((self.workspace / "exports").iterdir()) if (p / "config.json").is_file()]
+        trained = [str(p / "hf_model") for p in sorted((self.workspace / "runs").iterdir())
+                   if (p / "hf_model" / "config.json").is_file()]
+        return exports + trained
+
+    def load_chat(self, folder: str) -> str:
+        if not folder.strip():
+            raise BoardError("pick a model folder first")
+        self.chat_model = ChatModel(folder.strip())
+        return f"loaded {folder.strip()}"
+
+    def chat(self, history: list[dict], message: str, max_new_tokens: int, temperature: float) -> list[dict]:
+        if self.chat_model is None:
+            raise BoardError("load a model first (the button above the conversation)")
+        answer = self.chat_model.reply(history, message, max_new_tokens, temperature)
+        return [*history, {"role": "user", "content": message}, {"role": "assistant", "content": answer}]

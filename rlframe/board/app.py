@@ -1,0 +1,400 @@
+"""The page: gradio Blocks with the Train, Watch, Runs, Evaluate, Chat and Export tabs, wired to actions.Board.
+
+Each tab's components are laid out by one function; each event handler turns the page's values into a call
+on Board and its result back into the page's values. Bad input shows as `error: ...` in the page.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from rlframe.board import forms
+from rlframe.board.actions import RECIPE_REWARD, Board, error_text
+from rlframe.board.i18n import LANGUAGES, Labels
+from rlframe.board.runs import CURVES
+from rlframe.board.schema_help import key_help
+from rlframe.board.security import BoardError
+from rlframe.board.settings import list_settings, load_settings, save_settings
+
+# TrainForm fields in the order the page passes them to the handlers.
+FORM_FIELDS = ["stage", "recipe", "model_source", "model_path", "data_source", "train_files", "val_files",
+               "prompt_key", "answer_key", "image_key", "reward_path", "reward_name", *forms.MAIN_KEYS, "extra_yaml"]
+CSS = "#plan textarea, #command textarea, #log textarea, #yaml textarea {font-family: monospace; font-size: 12px}"
+
+
+def paths(text: str) -> list[str]:
+    return [p.strip() for p in (text or "").replace(",", "\n").splitlines() if p.strip()]
+
+
+def form_of(values) -> forms.TrainForm:
+    """The page's form values (FORM_FIELDS order) -> TrainForm."""
+    data = dict(zip(FORM_FIELDS, values))
+    data["train_files"], data["val_files"] = paths(data["train_files"]), paths(data["val_files"])
+    data["reward_path"] = "" if data["reward_path"] in (None, RECIPE_REWARD) else data["reward_path"]
+    for key in forms.MAIN_KEYS:
+        value = data[key]
+        data[key] = None if value in (None, "") else (int(value) if float(value).is_integer() and key not in
+                                                      ("lr", "temperature", "kl_loss_coef") else float(value))
+    for key in ("prompt_key", "answer_key", "image_key", "model_path", "reward_name", "extra_yaml"):
+        data[key] = data[key] or ""
+    return forms.TrainForm.from_dict(data)
+
+
+def page_values(form: forms.TrainForm) -> list:
+    """TrainForm -> the page's values (FORM_FIELDS order), for loading saved settings."""
+    data = form.to_dict()
+    data["train_files"], data["val_files"] = "\n".join(form.train_files), "\n".join(form.val_files)
+    data["reward_path"] = form.reward_path or RECIPE_REWARD
+    return [data[name] for name in FORM_FIELDS]
+
+
+def preview_outputs(preview) -> tuple[str, str, str]:
+    """(validation text, memory plan, command) for the page."""
+    if preview.ok:
+        notes = "".join(f"\nnote: {n}" for n in preview.notes)
+        return f"valid: every check of python -m rlframe.main passed{notes}", preview.plan_table, preview.command
+    return preview.error, preview.plan_table, preview.command
+
+
+def train_tab(board: Board, L: Labels) -> dict:
+    by_stage = forms.recipes_by_stage()
+    c: dict = {}
+    with gr.Row():
+        c["stage"] = L.track(gr.Dropdown(list(forms.STAGES), value="rl", label=L("stage"), elem_id="stage"), "stage")
+        c["recipe"] = L.track(gr.Dropdown(by_stage.get("rl", []), value="grpo_math", label=L("recipe"),
+                                          elem_id="recipe", allow_custom_value=True), "recipe")
+    with gr.Row():
+        c["model_source"] = L.track(gr.Radio(list(forms.MODEL_SOURCES), value="embedded", label=L("model_source"),
+                                             elem_id="model_source", info=key_help("model.path")), "model_source")
+        c["model_path"] = L.track(gr.Textbox(label=L("model_path"), elem_id="model_path"), "model_path")
+    with L.track(gr.Accordion(L("data"), open=False, elem_id="data_box"), "data"):
+        c["data_source"] = L.track(gr.Radio(list(forms.DATA_SOURCES), value="recipe", label=L("data_source"),
+                                            elem_id="data_source"), "data_source")
+        with gr.Row():
+            c["train_upload"] = L.track(gr.File(label=L("train_upload"), elem_id="train_upload"), "train_upload")
+            c["val_upload"] = L.track(gr.File(label=L("val_upload"), elem_id="val_upload"), "val_upload")
+        with gr.Row():
+            c["train_files"] = gr.Textbox(label="data.train_files", elem_id="train_files", info=key_help("data.train_files"))
+            c["val_files"] = gr.Textbox(label="data.val_files", elem_id="val_files")
+        c["data_message"] = gr.Textbox(show_label=False, elem_id="data_message", interactive=False)
+        c["data_rows"] = L.track(gr.Dataframe(label=L("data_rows"), interactive=False), "data_rows")
+        with gr.Row():
+            c["prompt_key"] = L.track(gr.Dropdown([], label=L("prompt_col"), allow_custom_value=True,
+                                                  info=key_help("data.prompt_key")), "prompt_col")
+            c["answer_key"] = L.track(gr.Dropdown([], label=L("answer_col"), allow_custom_value=True,
+                                                  info=key_help("data.answer_key")), "answer_col")
+            c["image_key"] = L.track(gr.Dropdown([], label=L("image_col"), allow_custom_value=True,
+                                                 info=key_help("data.image_key")), "image_col")
+    with L.track(gr.Accordion(L("reward"), open=False, elem_id="reward_box"), "reward"):
+        with gr.Row():
+            c["reward_path"] = L.track(gr.Dropdown(board.reward_choices(), value=RECIPE_REWARD, label=L("reward_pick"),
+                                                   elem_id="reward_path", allow_custom_value=True), "reward_pick")
+            c["reward_name"] = L.track(gr.Textbox(value="compute_score", label=L("reward_name"), elem_id="reward_name"),
+                                       "reward_name")
+            c["reward_upload"] = L.track(gr.File(label=L("reward_upload"), elem_id="reward_upload"), "reward_upload")
+        c["reward_message"] = gr.Textbox(show_label=False, elem_id="reward_message", interactive=False)
+        c["try_button"] = L.track(gr.Button(L("try_reward"), elem_id="try_reward"), "try_reward", "value")
+        c["try_table"] = L.track(gr.Dataframe(label=L("try_table"), interactive=False, elem_id="try_table"), "try_table")
+    with L.track(gr.Accordion(L("settings_main"), open=True), "settings_main"):
+        with gr.Row():
+            for name, key in forms.MAIN_KEYS.items():
+                c[name] = L.track(gr.Number(label=L(name), info=key_help(key), elem_id=name, min_width=180), name)
+    with L.track(gr.Accordion(L("yaml"), open=False, elem_id="yaml_box"), "yaml"):
+        c["show_yaml"] = L.track(gr.Button(L("show_yaml"), size="sm"), "show_yaml", "value")
+        c["extra_yaml"] = gr.Textbox(lines=12, max_lines=40, show_label=False, elem_id="yaml",
+                                     placeholder="trainer:\n  val_before_train: false")
+    c["run_name"] = L.track(gr.Textbox(label=L("run_name"), elem_id="run_name"), "run_name")
+    with gr.Row():
+        c["preview"] = L.track(gr.Button(L("preview"), elem_id="preview"), "preview", "value")
+        c["launch"] = L.track(gr.Button(L("launch"), variant="primary", elem_id="launch"), "launch", "value")
+    c["launch_message"] = gr.Textbox(show_label=False, elem_id="launch_message", interactive=False)
+    c["validation"] = L.track(gr.Textbox(label=L("validation"), lines=3, max_lines=40, elem_id="validation",
+                                         interactive=False), "validation")
+    c["plan"] = L.track(gr.Textbox(label=L("memory_plan"), lines=6, max_lines=40, elem_id="plan", interactive=False),
+                        "memory_plan")
+    c["command"] = L.track(gr.Textbox(label=L("command"), elem_id="command", interactive=False, buttons=["copy"]),
+                           "command")
+    with gr.Row():
+        c["settings_name"] = L.track(gr.Textbox(label=L("settings_name"), elem_id="settings_name"), "settings_name")
+        c["save_settings"] = L.track(gr.Button(L("save_settings")), "save_settings", "value")
+        c["saved"] = L.track(gr.Dropdown(list_settings(board.workspace), label=L("saved_settings")), "saved_settings")
+        c["load_settings"] = L.track(gr.Button(L("load_settings")), "load_settings", "value")
+    c["recipes"] = by_stage
+    return c
+
+
+def wire_train(board: Board, c: dict, watch_run) -> None:
+    form_inputs = [c[name] for name in FORM_FIELDS]
+
+    def on_stage(stage):
+        choices = c["recipes"].get(stage, [])
+        return gr.update(choices=choices, value=choices[0] if choices else None)
+
+    def on_preview(run_name, *values):
+        preview, run_name = board.preview(form_of(values), run_name)
+        return (*preview_outputs(preview), run_name)
+
+    def on_launch(run_name, *values):
+        preview, run_name, message = board.launch(form_of(values), run_name)
+        names = board.run_names()
+        return (*preview_outputs(preview), run_name, message,
+                gr.update(choices=names, value=run_name if preview.ok else None))
+
+    def on_data(file):
+        if file is None:
+            return gr.update(), "", None, gr.update(), gr.update(), gr.update(), gr.update()
+        try:
+            kept, info = board.upload_data(file)
+        except BoardError as err:
+            return gr.update(), error_text(err), None, gr.update(), gr.update(), gr.update(), gr.update()
+        return (str(kept), f"{Path(kept).name}: {info.num_rows} rows, columns {', '.join(info.columns)}", info.rows,
+                gr.update(choices=info.prompt_columns, value=info.prompt),
+                gr.update(choices=info.columns, value=info.answer),
+                gr.update(choices=["", *info.columns], value=info.images), "files")
+
+    def on_val(file):
+        if file is None:
+            return gr.update(), ""
+        try:
+            kept, info = board.upload_data(file)
+        except BoardError as err:
+            return gr.update(), error_text(err)
+        return str(kept), f"{Path(kept).name}: {info.num_rows} validation rows"
+
+    def on_reward(file):
+        if file is None:
+            return gr.update(), gr.update(), ""
+        try:
+            kept, names = board.upload_reward(file)
+        except BoardError as err:
+            return gr.update(), gr.update(), error_text(err)
+        name = "compute_score" if "compute_score" in names else names[0]
+        return (gr.update(choices=board.reward_choices(), value=str(kept)), name,
+                f"kept {kept.name} in the workspace; functions: {', '.join(names)}")
+
+    def on_try(*values):
+        result = board.try_reward(form_of(values))
+        return result.table, "\n".join(filter(None, [result.error, result.verdict]))
+
+    def on_yaml(run_name, *values):
+        try:
+            return board.full_yaml(form_of(values), run_name)
+        except BoardError as err:
+            return f"# {err}"
+
+    def on_save(name, *values):
+        try:
+            path = save_settings(board.workspace, name, form_of(values))
+        except BoardError as err:
+            return error_text(err), gr.update()
+        return f"saved {path}", gr.update(choices=list_settings(board.workspace), value=path.stem)
+
+    def on_load(name):
+        try:
+            return ["", *page_values(load_settings(board.workspace, name or ""))]
+        except BoardError as err:
+            return [error_text(err), *[gr.update() for _ in FORM_FIELDS]]
+
+    c["stage"].change(on_stage, c["stage"], c["recipe"])
+    c["preview"].click(on_preview, [c["run_name"], *form_inputs], [c["validation"], c["plan"], c["command"], c["run_name"]])
+    c["launch"].click(on_launch, [c["run_name"], *form_inputs],
+                      [c["validation"], c["plan"], c["command"], c["run_name"], c["launch_message"], watch_run])
+    c["train_upload"].upload(on_data, c["train_upload"], [c["train_files"], c["data_message"], c["data_rows"],
+                                                          c["prompt_key"], c["answer_key"], c["image_key"],
+                                                          c["data_source"]])
+    c["val_upload"].upload(on_val, c["val_upload"], [c["val_files"], c["data_message"]])
+    c["reward_upload"].upload(on_reward, c["reward_upload"], [c["reward_path"], c["reward_name"], c["reward_message"]])
+    c["try_button"].click(on_try, form_inputs, [c["try_table"], c["reward_message"]])
+    c["show_yaml"].click(on_yaml, [c["run_name"], *form_inputs], c["extra_yaml"])
+    c["save_settings"].click(on_save, [c["settings_name"], *form_inputs], [c["launch_message"], c["saved"]])
+    c["load_settings"].click(on_load, c["saved"], [c["launch_message"], *form_inputs])
+
+
+def watch_tab(board: Board, L: Labels) -> dict:
+    c: dict = {}
+    with gr.Row():
+        c["run"] = L.track(gr.Dropdown(board.run_names(), label=L("watch_run"), elem_id="watch_run",
+                                       allow_custom_value=True), "watch_run")
+        c["refresh"] = L.track(gr.Button(L("refresh"), elem_id="watch_refresh"), "refresh", "value")
+        c["live"] = L.track(gr.Checkbox(value=True, label=L("live")), "live")
+        c["stop"] = L.track(gr.Button(L("stop"), variant="stop", elem_id="stop"), "stop", "value")
+        c["resume"] = L.track(gr.Button(L("resume"), elem_id="resume"), "resume", "value")
+    with gr.Row():
+        c["status"] = L.track(gr.Textbox(label=L("status"), elem_id="watch_status", interactive=False), "status")
+        c["progress"] = L.track(gr.Textbox(label=L("progress"), elem_id="watch_progress", interactive=False), "progress")
+    c["message"] = gr.Textbox(show_label=False, elem_id="watch_message", interactive=False)
+    c["plots"] = {}
+    for row in (CURVES[:4], CURVES[4:]):
+        with gr.Row():
+            for title, _ in row:
+                c["plots"][title] = L.track(gr.LinePlot(x="step", y="value", color="series", label=L(f"plot_{title}"),
+                                                        elem_id=f"plot_{title}", height=220), f"plot_{title}")
+    c["table"] = L.track(gr.Dataframe(label=L("metrics"), interactive=False, elem_id="watch_table"), "metrics")
+    c["samples"] = L.track(gr.Dataframe(label=L("samples"), interactive=False, wrap=True), "samples")
+    c["log"] = L.track(gr.Textbox(label=L("log"), lines=12, max_lines=12, elem_id="log", interactive=False), "log")
+    c["timer"] = gr.Timer(2.0)
+    return c
+
+
+def wire_watch(board: Board, c: dict) -> None:
+    outputs = [c["progress"], c["status"], *c["plots"].values(), c["table"], c["samples"], c["log"]]
+
+    def on_watch(run_name):
+        view = board.watch(run_name)
+        return (view["progress"], view["status"], *view["plots"].values(), view["table"], view["samples"], view["log"])
+
+    def guarded(action):
+        def handler(run_name):
+            try:
+                return action(run_name)
+            except BoardError as err:
+                return error_text(err)
+        return handler
+
+    for event in (c["refresh"].click, c["run"].change, c["timer"].tick):
+        event(on_watch, c["run"], outputs, show_progress="hidden")
+    c["live"].change(lambda live: gr.Timer(active=live), c["live"], c["timer"])
+    c["stop"].click(guarded(board.stop), c["run"], c["message"])
+    c["resume"].click(guarded(board.resume), c["run"], c["message"])
+
+
+def runs_tab(board: Board, L: Labels) -> dict:
+    c: dict = {}
+    c["refresh"] = L.track(gr.Button(L("refresh"), elem_id="runs_refresh"), "refresh", "value")
+    c["table"] = L.track(gr.Dataframe(board.runs_table(), label=L("runs_table"), interactive=False,
+                                      elem_id="runs_table"), "runs_table")
+    with gr.Row():
+        c["compare"] = L.track(gr.Dropdown(board.run_names(), multiselect=True, label=L("compare_runs"),
+                                           elem_id="compare_runs"), "compare_runs")
+        keys = [key for _, lines in CURVES for key, _ in lines]
+        c["key"] = L.track(gr.Dropdown(keys, value="val/accuracy", label=L("compare_key")), "compare_key")
+    c["plot"] = L.track(gr.LinePlot(x="step", y="value", color="series", label=L("compare_plot"), height=260),
+                        "compare_plot")
+    with gr.Row():
+        c["report_run"] = L.track(gr.Dropdown(board.run_names(), label=L("report_run"), elem_id="report_run",
+                                              allow_custom_value=True), "report_run")
+        c["open"] = L.track(gr.Button(L("open_report"), elem_id="open_report"), "open_report", "value")
+    c["report"] = gr.HTML(elem_id="report")
+    return c
+
+
+def wire_runs(board: Board, c: dict) -> None:
+    def on_refresh():
+        names = board.run_names()
+        return board.runs_table(), gr.update(choices=names), gr.update(choices=names)
+
+    c["refresh"].click(on_refresh, None, [c["table"], c["compare"], c["report_run"]])
+    for event in (c["compare"].change, c["key"].change):
+        event(board.compare, [c["compare"], c["key"]], c["plot"])
+    c["open"].click(board.report, c["report_run"], c["report"])
+
+
+def eval_tab(board: Board, L: Labels) -> dict:
+    c: dict = {}
+    c["target"] = L.track(gr.Dropdown(board.run_names(), label=L("eval_target"), allow_custom_value=True,
+                                      elem_id="eval_target"), "eval_target")
+    with gr.Row():
+        c["n"] = L.track(gr.Number(value=1, precision=0, label=L("eval_n")), "eval_n")
+        c["k"] = L.track(gr.Textbox(value="1", label=L("eval_k")), "eval_k")
+        c["temperature"] = L.track(gr.Number(value=0.0, label=L("eval_temperature")), "eval_temperature")
+        c["max_samples"] = L.track(gr.Number(value=0, precision=0, label=L("eval_max_samples")), "eval_max_samples")
+    with gr.Row():
+        c["data"] = L.track(gr.Textbox(label=L("eval_data")), "eval_data")
+        c["reward"] = L.track(gr.Textbox(label=L("eval_reward")), "eval_reward")
+    c["run"] = L.track(gr.Button(L("run_eval"), variant="primary", elem_id="run_eval"), "run_eval", "value")
+    c["table"] = L.track(gr.Dataframe(label=L("eval_table"), interactive=False, elem_id="eval_table"), "eval_table")
+    c["output"] = L.track(gr.Textbox(label=L("output"), lines=8, max_lines=30, elem_id="eval_output"), "output")
+
+    def on_eval(target, n, k, temperature, max_samples, data, reward):
+        try:
+            return board.evaluate(target, int(n or 1), k, float(temperature or 0), data, reward, int(max_samples or 0))
+        except BoardError as err:
+            return None, error_text(err)
+
+    c["run"].click(on_eval, [c["target"], c["n"], c["k"], c["temperature"], c["max_samples"], c["data"], c["reward"]],
+                   [c["table"], c["output"]])
+    return c
+
+
+def chat_tab(board: Board, L: Labels) -> dict:
+    c: dict = {}
+    with gr.Row():
+        c["model"] = L.track(gr.Dropdown(board.chat_choices(), label=L("chat_model"), allow_custom_value=True,
+                                         elem_id="chat_model"), "chat_model")
+        c["load"] = L.track(gr.Button(L("load_model"), elem_id="chat_load"), "load_model", "value")
+    c["status"] = gr.Textbox(show_label=False, elem_id="chat_status", interactive=False)
+    c["chat"] = L.track(gr.Chatbot(label=L("chat"), elem_id="chatbot", height=320), "chat")
+    with gr.Row():
+        c["message"] = L.track(gr.Textbox(label=L("message"), elem_id="chat_message", scale=4), "message")
+        c["send"] = L.track(gr.Button(L("send"), variant="primary", elem_id="chat_send"), "send", "value")
+    with gr.Row():
+        c["max_new_tokens"] = L.track(gr.Number(value=64, precision=0, label=L("max_new_tokens")), "max_new_tokens")
+        c["temperature"] = L.track(gr.Number(value=0.0, label=L("temperature")), "temperature")
+
+    def on_load(folder):
+        try:
+            return board.load_chat(folder or "")
+        except BoardError as err:
+            return error_text(err)
+
+    def on_send(history, message, max_new_tokens, temperature):
+        try:
+            return board.chat(history or [], message, int(max_new_tokens or 64), float(temperature or 0)), "", ""
+        except BoardError as err:
+            return history, message, error_text(err)
+
+    c["load"].click(on_load, c["model"], c["status"])
+    for event in (c["send"].click, c["message"].submit):
+        event(on_send, [c["chat"], c["message"], c["max_new_tokens"], c["temperature"]],
+              [c["chat"], c["message"], c["status"]])
+    return c
+
+
+def export_tab(board: Board, L: Labels, chat_model) -> dict:
+    c: dict = {}
+    with gr.Row():
+        c["source"] = L.track(gr.Dropdown(board.run_names(), label=L("export_source"), allow_custom_value=True,
+                                          elem_id="export_source"), "export_source")
+        c["name"] = L.track(gr.Textbox(label=L("export_name"), elem_id="export_name"), "export_name")
+        c["merge"] = L.track(gr.Checkbox(label=L("merge")), "merge")
+    c["run"] = L.track(gr.Button(L("run_export"), variant="primary", elem_id="run_export"), "run_export", "value")
+    c["output"] = gr.Textbox(show_label=False, elem_id="export_output", interactive=False, lines=2)
+
+    def on_export(source, name, merge):
+        try:
+            message = board.export(source or "", name or "", bool(merge))
+        except BoardError as err:
+            return error_text(err), gr.update()
+        choices = board.chat_choices()
+        return message, gr.update(choices=choices, value=choices[0] if choices else None)
+
+    c["run"].click(on_export, [c["source"], c["name"], c["merge"]], [c["output"], chat_model])
+    return c
+
+
+def build_app(board: Board, lang: str = "en") -> gr.Blocks:
+    L = Labels(lang)
+    with gr.Blocks(title="rlframe board") as app:
+        with gr.Row():
+            L.track(gr.Markdown(L("title")), "title", "value")
+            language = gr.Dropdown(list(LANGUAGES), value=lang, label="Language / 语言", elem_id="language", scale=0,
+                                   min_width=140)
+        with L.track(gr.Tab(L("tab_train"), elem_id="tab_train"), "tab_train"):
+            train = train_tab(board, L)
+        with L.track(gr.Tab(L("tab_watch"), elem_id="tab_watch"), "tab_watch"):
+            watch = watch_tab(board, L)
+        with L.track(gr.Tab(L("tab_runs"), elem_id="tab_runs"), "tab_runs"):
+            runs = runs_tab(board, L)
+        with L.track(gr.Tab(L("tab_eval"), elem_id="tab_eval"), "tab_eval"):
+            eval_tab(board, L)
+        with L.track(gr.Tab(L("tab_chat"), elem_id="tab_chat"), "tab_chat"):
+            chat = chat_tab(board, L)
+        with L.track(gr.Tab(L("tab_export"), elem_id="tab_export"), "tab_export"):
+            export_tab(board, L, chat["model"])
+        wire_train(board, train, watch["run"])
+        wire_watch(board, watch)
+        wire_runs(board, runs)
+        language.change(L.updates, language, L.components())
+    return app

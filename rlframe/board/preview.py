@@ -1,0 +1,133 @@
+"""Preview before launch: the checks `python -m rlframe.main` runs before Ray, their messages, the memory plan
+and the command line, without starting anything or writing into the run folder.
+
+    preview = run_preview(form_args, run_dir, scratch)   # Preview(ok, error, notes, plan_table, command, ...)
+
+The steps are main's own, in its order (rlframe/main.py: compose_config, validate_config, then prepare_run's
+checks): the recipe and overrides composed onto the typed schema, every configuration check, the model folder
+and the memory plan (`validate_before_workers`), the tokenizer, and every data row read, checked and templated
+(`check_run_data`; generated data sets are written to the board's scratch folder, not the run folder). An error
+is the same one-screen `error: ...` text the command line prints. prepare_run's claim of the run folder is not
+called (it takes the lock and writes owner.json); `run_dir_problem` checks the lock without taking it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlframe.board.forms import command_line
+
+# Hydra's compose state and our stdout capture are process-wide: one preview at a time.
+PREVIEW_LOCK = threading.Lock()
+
+
+@dataclass
+class Preview:
+    ok: bool
+    args: list[str]
+    command: str
+    error: str = ""  # `error: ...` as the command line prints it
+    notes: list[str] = field(default_factory=list)
+    plan_table: str = ""
+    composed: dict | None = None  # the composed configuration (for the editable YAML)
+    stage: str = ""
+
+
+def usage_text(err: BaseException) -> str:
+    """Any of main's usage errors as the `error: ...` screen the command line prints."""
+    from rlframe.main import UsageError
+
+    if isinstance(err, SystemExit):
+        return str(err.code)
+    return str(UsageError(str(err)).code)
+
+
+def run_dir_problem(run_dir: Path) -> str:
+    """The lock check of rlframe/trainer/run_dir.py, read-only: the `in use by another run` message, or ''."""
+    from rlframe.trainer.run_dir import LOCK_FILE, Owner, busy_message
+
+    lock = Path(run_dir) / LOCK_FILE
+    if not lock.exists():
+        return ""
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return ""
+    except OSError:
+        return busy_message(Path(run_dir).resolve(), Owner.read(Path(run_dir)))
+    finally:
+        os.close(fd)
+
+
+def compose(args: list[str]):
+    """main.compose_config + validate_config, capturing the notes they print; raises main's usage errors."""
+    from rlframe.config import validate_config
+    from rlframe.main import compose_config
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cfg = compose_config(list(args))
+        validate_config(cfg)
+    return cfg, [line[6:] for line in out.getvalue().splitlines() if line.startswith("note: ")]
+
+
+def composed_dict(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def check_before_workers(cfg, scratch: Path) -> str:
+    """prepare_run's checks after the claim: model folder, memory plan (its printed table returned), data."""
+    from transformers import AutoTokenizer
+
+    from rlframe.config import validate_before_workers
+    from rlframe.main import prepare_data
+    from rlframe.models.provision import resolve_model_path
+    from rlframe.preflight import check_run_data
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            model_path = resolve_model_path(cfg.model.path)
+            validate_before_workers(cfg, model_path)
+        finally:
+            table = out.getvalue()
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        scratch.mkdir(parents=True, exist_ok=True)
+        train_files, val_files = prepare_data(cfg, scratch)
+        check_run_data(cfg, tokenizer, train_files, val_files)
+    return table
+
+
+def run_preview(args: list[str], run_dir: Path, scratch: Path, *, deep: bool = True) -> Preview:
+    """All of main's checks on `args` (which name trainer.run_dir=run_dir); nothing is started or written there."""
+    from rlframe.main import usage_errors
+
+    preview = Preview(ok=False, args=list(args), command=command_line(args))
+    busy = run_dir_problem(run_dir)
+    if busy:
+        preview.error = usage_text(SystemExit(f"error: {busy}"))
+        return preview
+    with PREVIEW_LOCK:
+        try:
+            cfg, preview.notes = compose(args)
+            preview.composed, preview.stage = composed_dict(cfg), cfg.stage
+            if deep:
+                table = check_before_workers(cfg, scratch)
+                preview.plan_table = "\n".join(line for line in table.splitlines() if not line.startswith("note: "))
+        except (SystemExit, *usage_errors()) as err:
+            preview.error = usage_text(err)
+            return preview
+        except OSError as err:  # a model folder or hub id that cannot be read
+            preview.error = usage_text(SystemExit(f"error: {err}. Fix: check model.path (a local HF folder or a hub id)"))
+            return preview
+    preview.ok = True
+    return preview

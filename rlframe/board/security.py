@@ -1,0 +1,107 @@
+"""The board's safety rules: where it listens, who may use it, what it keeps of uploads, what it may run.
+
+- It binds 127.0.0.1 unless told otherwise; any other address needs `--auth user:password` (or a token,
+  which is then the password of the user `rlframe`), and the start line says so (`bind_rules`).
+- Uploads are copied into `<workspace>/uploads/` under a cleaned name, checked for what they claim to be
+  (`keep_upload`): a reward must be Python that parses and defines a function, a data file one of the
+  formats the loader reads. Nothing is run from anywhere else.
+- It runs only rlframe's own entry points (ENTRY_POINTS), as an argument list (no shell), each argument a
+  `key=value` (or a flag the entry point declares) that `checked_argv` has validated.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import time
+from pathlib import Path
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+ENTRY_POINTS = ("rlframe.main", "rlframe.eval", "rlframe.export")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")
+ARG = re.compile(r"^[+~]?[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=[^\x00\n\r]*$")
+FLAGS = {"rlframe.export": ("--merge",)}
+POSITIONAL = {"rlframe.export": 2}  # checkpoint and out folder
+
+
+class BoardError(ValueError):
+    """Bad input on the page; the message is shown there as `error: ...` and names the fix."""
+
+
+def bind_rules(host: str, auth: str | None) -> tuple[list[tuple[str, str]] | None, str]:
+    """(gradio's auth list or None, the start line). Refuses a non-local address without --auth."""
+    if host not in LOCAL_HOSTS and not auth:
+        raise BoardError(f"--host {host} makes the board reachable from other machines, and it starts training "
+                         "runs and reads files: it needs --auth user:password (or --auth <token>). "
+                         "Fix: add --auth, or keep the default --host 127.0.0.1")
+    if not auth:
+        return None, f"rlframe board on http://{host}:{{port}} (local only: 127.0.0.1)"
+    user, password = auth.split(":", 1) if ":" in auth else ("rlframe", auth)
+    if not user or len(password) < 8:
+        raise BoardError("--auth needs user:password with a password of 8 characters or more (or a token of 8+). "
+                         "Fix: --auth me:a-long-password")
+    return [(user, password)], (f"rlframe board on http://{host}:{{port}}: listening on {host}, login required "
+                                f"(user '{user}')")
+
+
+def clean_name(name: str) -> str:
+    """A file name with only letters, digits, `-`, `_` and `.` (no folders, no leading dot)."""
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(name).name).lstrip(".")
+    return base or "upload"
+
+
+def check_python(path: Path) -> list[str]:
+    """The top-level function names of a Python file; BoardError when it is not Python or has none."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=path.name)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise BoardError(f"{path.name} is not a Python text file ({type(err).__name__}). "
+                         "Fix: upload the .py file that defines your reward function") from None
+    except SyntaxError as err:
+        raise BoardError(f"{path.name}, line {err.lineno}: not valid Python ({err.msg}). "
+                         "Fix: correct the file (python -m py_compile <file> shows the same error), then upload it again") from None
+    names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if not names:
+        raise BoardError(f"{path.name} defines no function at its top level. Fix: a reward file defines "
+                         "`def compute_score(data_source, solution_str, ground_truth, extra_info=None)` "
+                         "(see reward_fns/math.py)")
+    return names
+
+
+def keep_upload(src: str | Path, workspace: Path, kind: str) -> Path:
+    """Copy an uploaded file into <workspace>/uploads/ after checking it is a `kind` ("reward" or "data")."""
+    src = Path(src)
+    name = clean_name(src.name)
+    if kind == "reward" and not name.endswith(".py"):
+        raise BoardError(f"{src.name} is not a Python file (.py). Fix: upload the .py file that defines your reward function")
+    if kind == "data" and not name.lower().endswith(DATA_SUFFIXES):
+        raise BoardError(f"{src.name}: the loader reads {', '.join(DATA_SUFFIXES)} files. "
+                         "Fix: save the data in one of those formats (rlframe/data/files.py)")
+    if kind == "reward":
+        check_python(src)
+    folder = workspace / "uploads"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / name
+    if target.exists() and target.read_bytes() != src.read_bytes():  # never overwrite an earlier upload
+        target = folder / f"{target.stem}-{time.strftime('%Y%m%d-%H%M%S')}{target.suffix}"
+    shutil.copyfile(src, target)
+    return target.resolve()
+
+
+def checked_argv(entry: str, args: list[str]) -> list[str]:
+    """`[python, -m, entry, *args]` after checking the entry point and every argument; BoardError otherwise."""
+    import sys
+
+    if entry not in ENTRY_POINTS:
+        raise BoardError(f"the board runs only {', '.join(ENTRY_POINTS)}, not '{entry}'")
+    positional = POSITIONAL.get(entry, 0)
+    for i, arg in enumerate(args):
+        if i < positional or arg in FLAGS.get(entry, ()):
+            if arg.startswith("-") and arg not in FLAGS.get(entry, ()):
+                raise BoardError(f"argument '{arg}' is not one {entry} takes from the board")
+            continue
+        if not ARG.match(arg):
+            raise BoardError(f"argument '{arg[:80]}' is not of the form key=value. "
+                             "Fix: write settings as key=value (e.g. trainer.total_steps=2)")
+    return [sys.executable, "-m", entry, *args]
