@@ -22,7 +22,9 @@ Scheduling. On vLLM (continuous batching at the request level, `VLLMStepper`): e
 engine request; the loop steps the engine and handles a turn the moment it finishes (parse, start its
 tools or the environment's step, both in threads), and submits the trajectory's next turn as soon as its
 observation is in, while the engine keeps decoding the other trajectories' turns. No trajectory waits
-for the slowest of its batch, for another's tool, or for a round to end. On the HF engine (`generate`
+for the slowest of its batch, for another's tool, or for a round to end. Environments start the same way:
+every trajectory's `__init__` + `reset` runs in its own thread at once, and a trajectory joins the engine as
+soon as its own reset is done. On the HF engine (`generate`
 is one blocking batch call) the loop runs by rounds: every trajectory waiting for the model goes to
 one `generate` call, tools run in threads meanwhile, and a trajectory whose tools have returned joins
 the next round: a slow tool holds back only its own trajectory, but within a round a short turn waits
@@ -38,7 +40,6 @@ metrics and adds the environment's reward to the score.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -46,8 +47,9 @@ import numpy as np
 import torch
 
 from rlframe.protocol import AGENT_END_REASONS, DataProto
-from rlframe.workers.rollout.tools import (Tool, ToolCall, ToolCallRun, ToolLoadError, ToolResult, call_with_deadline,
-                                          format_problem, get_parser, load_environment, load_tool, tool_prompt)
+from rlframe.workers.rollout.tools import (Deferred, Tool, ToolCall, ToolCallRun, ToolLoadError, ToolResult, format_problem,
+                                          get_parser, load_environment, load_tool, tool_prompt)
+from rlframe.workers.rollout.vllm_stepper import VLLMStepper
 
 logger = logging.getLogger(__name__)
 END_ANSWER, END_TURN_LIMIT, END_BUDGET, END_ENV_ERROR = AGENT_END_REASONS
@@ -74,6 +76,7 @@ class Trajectory:
     env: object = None  # the trajectory's environment instance, if any
     env_feedback: str | None = None  # the environment's observation waiting to be appended
     env_step: object = None  # the environment's step on the last model turn, running in a thread (Deferred)
+    env_start: object = None  # the environment's __init__ + reset, running in a thread (Deferred)
     turn_rewards: list = field(default_factory=list)  # the environment's reward after each model turn
     turn_reward_positions: list = field(default_factory=list)  # the response index of that turn's last token
     env_errors: int = 0
@@ -157,6 +160,13 @@ class AgentLoop:
         self.engine, self.settings, self.tokenizer = engine, settings, tokenizer
         self.tools = tools if tools is not None else {
             name: load_tool(path, name) for path, name in settings.tools}
+        self.mcp_servers = []  # MCP servers whose tools joined self.tools (workers/rollout/mcp_tools.py)
+        if getattr(settings, "mcp_servers", ()):
+            from rlframe.workers.rollout.mcp_tools import start_mcp_tools
+
+            self.mcp_servers, mcp = start_mcp_tools(settings.mcp_servers, {n: t.path for n, t in self.tools.items()},
+                                                    settings.tool_timeout_s)
+            self.tools = {**self.tools, **mcp}
         self.parse = get_parser(settings.format)
         for tool in self.tools.values():
             problem = format_problem(tool, settings.format)
@@ -184,10 +194,11 @@ class AgentLoop:
         if seeds is not None:
             for t in trajectories:
                 t.seed = int(seeds[t.index])
-        if self.environment is not None:
+        if self.environment is not None:  # every trajectory's environment starts at once, each in its thread
             rows = prompts.non_tensor_batch.get("env_row")
             for t in trajectories:
-                self.start_environment(t, None if rows is None else rows[t.index])
+                t.env_start = Deferred(self.new_environment, self.settings.tool_timeout_s,
+                                       None if rows is None else rows[t.index])
         stepper = self.stepper_for(self.engine) if self.scheduling != "rounds" else None
         self.started = time.monotonic()
         if stepper is not None:
@@ -198,11 +209,17 @@ class AgentLoop:
         else:
             self.run_rounds(trajectories, sampling)
         self.stamp(trajectories)
+        self.close_environments(trajectories)
         self.last_trajectories = trajectories  # for benchmarks (examples/benchmark/agent_scheduling.py)
         out = self.to_batch(trajectories, prompts, budget)
         out.meta_info["agent/scheduling"] = "continuous" if stepper is not None else "rounds"
         out.non_tensor_batch["agent_continuous"] = np.array([stepper is not None] * len(trajectories), dtype=object)
         return out
+
+    def close(self) -> None:
+        """Stop the MCP servers this loop started (a worker killed by Ray stops them too: mcp_tools.py)."""
+        for server in self.mcp_servers:
+            server.close()
 
     @staticmethod
     def stepper_for(engine):
@@ -223,8 +240,8 @@ class AgentLoop:
     def run_rounds(self, trajectories: list[Trajectory], sampling) -> None:
         """Round-based batching (engines with a blocking batch `generate` only, e.g. HF): every trajectory
         waiting for the model goes to one `generate` call; tools run in threads meanwhile."""
-        waiting_for_model = [t for t in trajectories if t.end is None]
-        with_tools: list[Trajectory] = []
+        waiting_for_model = [t for t in trajectories if t.end is None and t.env_start is None]
+        with_tools = [t for t in trajectories if t.env_start is not None]  # (their environments are starting)
         while waiting_for_model or with_tools:
             if waiting_for_model:
                 self.model_round(waiting_for_model, sampling)
@@ -244,9 +261,9 @@ class AgentLoop:
         as soon as its observation is in, while the engine keeps decoding the other trajectories' turns;
         a turn that ends is handled at once (no waiting for the rest of the batch, nor for other tools)."""
         per_turn = self.settings.max_tokens_per_turn
-        ready = [t for t in trajectories if t.end is None]
+        ready = [t for t in trajectories if t.end is None and t.env_start is None]
         in_engine: dict[int, Trajectory] = {}
-        with_tools: list[Trajectory] = []
+        with_tools = [t for t in trajectories if t.env_start is not None]  # (their environments are starting)
         while ready or in_engine or with_tools:
             for t in ready:
                 cap = min(t.remaining, per_turn) if per_turn > 0 else t.remaining
@@ -269,7 +286,7 @@ class AgentLoop:
         continue are returned (to go back to the model)."""
         back = []
         for t in [t for t in with_tools if all(run.done() for run in t.pending)
-                  and (t.env_step is None or t.env_step.done())]:
+                  and (t.env_step is None or t.env_step.done()) and (t.env_start is None or t.env_start.done())]:
             with_tools.remove(t)
             self.observe(t)
             if t.end is None:
@@ -331,22 +348,37 @@ class AgentLoop:
             return MALFORMED
         return call.name if call.name in self.tools else UNKNOWN
 
-    def start_environment(self, t: Trajectory, row) -> None:
-        """A fresh environment for the trajectory; `reset(row)` may return a first message (appended to
-        the prompt as a user message, context); one that raises in `reset` ends it (counted)."""
-        env, error = call_with_deadline(self.environment, self.settings.tool_timeout_s)
-        where = "__init__"
-        first = None
-        if error is None:
-            where = "reset"
-            first, error = call_with_deadline(env.reset, self.settings.tool_timeout_s, row)
-        if error is None and isinstance(first, str) and first:  # reset's first message: a user message
+    def new_environment(self, row) -> tuple:
+        """(environment, first message, failed method, error): a fresh environment and its `reset(row)`, run in the
+        trajectory's thread (Deferred); never raises."""
+        try:
+            env = self.environment()
+        except Exception as exc:
+            return None, None, "__init__", f"{type(exc).__name__}: {exc}"
+        try:
+            return env, env.reset(row), None, None
+        except Exception as exc:
+            return env, None, "reset", f"{type(exc).__name__}: {exc}"
+
+    def environment_started(self, t: Trajectory) -> None:
+        """The trajectory's environment is built and reset: `reset`'s first message joins the prompt (a user message,
+        context); a failure (or a timeout) ends the trajectory, counted."""
+        (result, error), t.env_start = t.env_start.outcome(), None
+        env, first, where, failure = result if result is not None else (None, None, "reset", None)
+        error = failure or error
+        if error is None and isinstance(first, str) and first:
             t.prompt = self.renderer.with_user_message(t.prompt, self.truncate(first))
         if error is not None:
             t.env_errors += 1
             t.end = END_ENV_ERROR
-            self.warn_environment(where, error)
+            self.warn_environment(where or "reset", error)
         t.env = env
+
+    def close_environments(self, trajectories: list[Trajectory]) -> None:
+        """Each ended trajectory's environment closed, if it has `close` (a Gymnasium env does), in its thread."""
+        for t in trajectories:
+            if callable(getattr(t.env, "close", None)):
+                Deferred(t.env.close, self.settings.tool_timeout_s)
 
     def environment_result(self, t: Trajectory) -> None:
         """The environment's verdict on a turn without tool calls: its feedback becomes the next (user)
@@ -364,8 +396,8 @@ class AgentLoop:
             t.env_errors += 1
             t.end = END_ENV_ERROR
             self.warn_environment("step", error)
-        elif done or observation is None:
-            t.end = END_ANSWER
+        elif done or observation is None:  # (a Gymnasium env's truncation counts as a turn limit)
+            t.end = END_TURN_LIMIT if getattr(t.env, "truncated", False) is True else END_ANSWER
         elif t.turns >= self.settings.max_turns:
             t.end = END_TURN_LIMIT
         else:
@@ -384,6 +416,9 @@ class AgentLoop:
     def observe(self, t: Trajectory) -> None:
         """Append the finished tool calls' observations (one tool message each) or the environment's
         feedback (one user message), or end (the environment's verdict, the budget)."""
+        if t.env_start is not None:  # the environment has started: the trajectory's first turn comes next
+            self.environment_started(t)
+            return
         if t.env_step is not None:
             self.environment_result(t)
             if t.env_feedback is None:  # the environment ended the trajectory
@@ -441,92 +476,6 @@ class AgentLoop:
         })
         out.meta_info["agent/engine_calls"] = self.engine_calls
         return out
-
-
-class Deferred:
-    """`function(*args)` running in a daemon thread: `done()` polls, `outcome()` -> (result, error) waits
-    until the deadline; error is "timeout" or "Type: message"."""
-
-    def __init__(self, function, timeout_s: float, *args):
-        self.deadline, self.box, self.event = time.monotonic() + timeout_s, {}, threading.Event()
-        self.position = None
-
-        def target():
-            try:
-                self.box["result"] = function(*args)
-            except BaseException as exc:  # the environment's fault, counted, not the rollout's
-                self.box["error"] = f"{type(exc).__name__}: {exc}"
-            self.event.set()
-
-        threading.Thread(target=target, daemon=True, name="environment-step").start()
-
-    def done(self) -> bool:
-        return self.event.is_set() or time.monotonic() >= self.deadline
-
-    def outcome(self):
-        if not self.event.wait(max(0.0, self.deadline - time.monotonic())):
-            return None, "timeout"
-        return self.box.get("result"), self.box.get("error")
-
-
-class VLLMStepper:
-    """Request-level access to a VLLMRollout's engine (continuous batching): `submit` adds one request
-    (token ids in), `step` runs one engine step (vLLM schedules every unfinished request together, new
-    ones joining at once) and returns the requests that finished in it as (key, token ids, log-probs).
-
-    Sampling parameters as VLLMRollout.generate builds them (the temperature-scaled, processed log-probs of
-    the sampled tokens); the engine's current LoRA adapter, if any, applies."""
-
-    def __init__(self, rollout):
-        self.rollout, self.llm = rollout, rollout.llm
-        self.engine = self.llm.llm_engine
-        self.keys: dict[str, object] = {}
-        self.counter = 0
-        self.steps = 0
-        if getattr(rollout, "weights_discarded", False):
-            raise RuntimeError("agent loop: the vLLM engine's weights were discarded (level-2 sleep) and not "
-                               "reloaded; generating now would use garbage weights")
-        if hasattr(rollout, "wake_up"):
-            rollout.wake_up(tags=["weights", "kv_cache"])
-        if self.engine.has_unfinished_requests():
-            raise RuntimeError("the vLLM engine has unfinished requests; the agent loop needs it to itself")
-
-    def params(self, sampling, seed: int | None = None):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(n=1, max_tokens=max(1, sampling.max_new_tokens), logprobs=0,
-                              temperature=sampling.temperature, top_p=sampling.top_p if not sampling.greedy else 1.0,
-                              top_k=sampling.top_k if not sampling.greedy else -1,
-                              seed=None if sampling.greedy else seed, output_kind=RequestOutputKind.FINAL_ONLY)
-
-    def submit(self, key, token_ids: list[int], sampling, seed: int | None = None) -> None:
-        request_id = f"agent-{self.counter}"
-        self.counter += 1
-        prompt = {"prompt_token_ids": list(token_ids)}
-        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # vLLM's own rendering of a token prompt
-        if render is not None:
-            prompt = render(prompt)
-        self.engine.add_request(request_id, prompt, self.params(sampling, seed),
-                                lora_request=getattr(self.rollout, "lora_request", None))
-        self.keys[request_id] = key
-
-    def abort_all(self) -> None:
-        if self.keys:
-            self.engine.abort_request(list(self.keys))
-            self.keys.clear()
-
-    def step(self) -> list[tuple[object, list[int], list[float]]]:
-        finished = []
-        self.steps += 1
-        for out in self.engine.step():
-            if not out.finished or out.request_id not in self.keys:
-                continue
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            log_probs = [lp[token].logprob for lp, token in zip(completion.logprobs, tokens)]
-            finished.append((self.keys.pop(out.request_id), tokens, log_probs))
-        return finished
 
 
 def object_array(values: list) -> np.ndarray:

@@ -25,7 +25,7 @@ Parsers turn a model turn's text into tool calls (pluggable: `TOOL_CALL_PARSERS`
 
 Nothing a tool does crashes a rollout: a malformed call, an unknown tool, bad arguments, an exception
 and a timeout each become an error observation the model sees (`ToolResult.error` set, counted).
-Each call runs in a daemon thread with a wall-clock deadline; code that must be isolated (a code
+Each call (and an environment's reset and step: Deferred) runs in a daemon thread with a wall-clock deadline; code that must be isolated (a code
 interpreter) runs inside `rlframe/reward/sandbox.py` from the tool itself (see tools/python_interpreter.py).
 """
 
@@ -37,6 +37,7 @@ import json
 import re
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -281,8 +282,9 @@ class ToolCallRun:
 
 
 def load_environment(path: str, name: str):
-    """The environment class `name` of the file `path`: `reset(row) -> first message | None` and
-    `step(model_text) -> (observation | None, reward, done)` (see reward_fns-like ready ones in tools/)."""
+    """A factory of environments with `reset(row) -> first message | None` and `step(model_text) ->
+    (observation | None, reward, done)`: the class `name` of the file `path` itself, or, for a gymnasium.Env
+    (reset(seed=, options=) / step -> 5-tuple), an adapter to that form (workers/rollout/gym_environment.py)."""
     resolved = resolve_tool_path(path)
     module = _import_tool_file(resolved, f"environment '{name}'")
     cls = getattr(module, name, None)
@@ -291,23 +293,33 @@ def load_environment(path: str, name: str):
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise ToolLoadError(f"environment {resolved}:{name} lacks the method(s) {', '.join(missing)}: "
-                            "reset(row) and step(model_text) -> (observation, reward, done)")
-    return cls
+                            "reset(row) and step(model_text) -> (observation, reward, done), or a gymnasium.Env")
+    from rlframe.workers.rollout.gym_environment import GymEnvironment, is_gym_environment
+
+    return GymEnvironment.factory(cls) if is_gym_environment(cls) else cls
 
 
-def call_with_deadline(function: Callable, timeout_s: float, *args):
-    """(result, error) of `function(*args)` run in a daemon thread; error is "timeout" or "Type: message"."""
-    box: dict = {}
+class Deferred:
+    """`function(*args)` running in a daemon thread (an environment's __init__/reset/step/close): `done()` polls,
+    `outcome()` -> (result, error) waits until the deadline; error is "timeout" or "Type: message"."""
 
-    def target():
-        try:
-            box["result"] = function(*args)
-        except BaseException as exc:
-            box["error"] = f"{type(exc).__name__}: {exc}"
+    def __init__(self, function, timeout_s: float, *args):
+        self.deadline, self.box, self.event = time.monotonic() + timeout_s, {}, threading.Event()
+        self.position = None
 
-    thread = threading.Thread(target=target, daemon=True, name="environment")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return None, "timeout"
-    return box.get("result"), box.get("error")
+        def target():
+            try:
+                self.box["result"] = function(*args)
+            except BaseException as exc:  # the environment's fault, counted, not the rollout's
+                self.box["error"] = f"{type(exc).__name__}: {exc}"
+            self.event.set()
+
+        threading.Thread(target=target, daemon=True, name="environment").start()
+
+    def done(self) -> bool:
+        return self.event.is_set() or time.monotonic() >= self.deadline
+
+    def outcome(self):
+        if not self.event.wait(max(0.0, self.deadline - time.monotonic())):
+            return None, "timeout"
+        return self.box.get("result"), self.box.get("error")
