@@ -13,13 +13,32 @@ TURN_REWARDS = ("final", "per_turn")
 
 @dataclass
 class ToolConfig:
-    path: str = "tools/calculator.py"  # a Python file defining the function and TOOL_SCHEMAS[name]
+    # a Python file defining the function; its schema is the file's (TOOL_SCHEMAS, SCHEMA, TOOLS, a `schema`
+    # attribute) or derived from the function's type hints and docstring (workers/rollout/tool_schemas.py)
+    path: str = "tools/calculator.py"
     name: str = "calculator"
 
 
 @dataclass
+class McpServerConfig:
+    """An MCP server whose tools the model may call (workers/rollout/mcp_tools.py): a `command` rlframe starts and
+    talks to over stdio (stopped at the end), or the `url` of a running streamable-HTTP server."""
+
+    command: str = ""  # e.g. python (the interpreter rlframe runs in), npx, uvx
+    args: list[str] = field(default_factory=list)  # relative paths of files resolve like tool paths
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables (the rest are inherited)
+    url: str = ""  # e.g. http://127.0.0.1:8931/mcp
+    name: str = ""  # what errors call it; "" = the script's, command's or url's name
+    tools: list[str] = field(default_factory=list)  # its tools the model gets; [] = every tool it lists
+    prefix: str = ""  # the model sees each tool as prefix + name (two servers with the same tool names)
+    startup_timeout_s: float = bounded(30.0, "> 0")  # to start and list its tools
+
+
+@dataclass
 class EnvironmentConfig:
-    path: str = ""  # "" = no environment; else a Python file defining the class
+    # "" = no environment; else a Python file defining the class: our reset(row) / step(text) form, or a
+    # gymnasium.Env with text observations and actions (workers/rollout/gym_environment.py)
+    path: str = ""
     name: str = ""
 
 
@@ -32,6 +51,8 @@ class MultiTurnConfig:
     enable: bool = False
     # No default tool: name each one (an environment alone needs none)
     tools: list[ToolConfig] = field(default_factory=list)
+    # MCP servers whose tools join `tools` (listed and checked before any worker starts)
+    mcp_servers: list[McpServerConfig] = field(default_factory=list)
     max_turns: int = bounded(3, ">= 1")
     max_tokens_per_turn: int = bounded(0, ">= 0", "0: no cap")  # a model turn's cap (0: the remaining budget); a cut turn is still parsed
     max_tool_response_tokens: int = bounded(64, ">= 1")  # an observation is cut to this many tokens
@@ -180,18 +201,46 @@ def multi_turn_files_load(cfg, need) -> None:
         get_parser(mt.format)
     except ToolLoadError as error:
         need(False, "rollout.multi_turn.format", str(error))
-    need(bool(mt.tools) or bool(mt.environment.path), "rollout.multi_turn.tools",
+    need(bool(mt.tools) or bool(mt.environment.path) or bool(mt.mcp_servers), "rollout.multi_turn.tools",
          "no tool and no environment. Fix: rollout.multi_turn.tools=[{path: tools/calculator.py, name: calculator}]")
     if mt.environment.path:
         try:
             load_environment(mt.environment.path, mt.environment.name)
         except ToolLoadError as error:
             need(False, "rollout.multi_turn.environment", str(error))
+    names = {}
     for i, tool in enumerate(mt.tools):
         try:
             load_tool(tool.path, tool.name)
+            names[tool.name] = f"rollout.multi_turn.tools[{i}]"
         except ToolLoadError as error:
             need(False, f"rollout.multi_turn.tools[{i}]", str(error))
+    mcp_servers_list_their_tools(mt, need, names)
+
+
+def mcp_servers_list_their_tools(mt, need, names: dict[str, str]) -> None:
+    """Each MCP server: a command or a url (http/https), started (or reached) here, its tools listed and their
+    schemas checked, no tool name twice; stopped again (each rollout worker starts its own)."""
+    from rlframe.workers.rollout.mcp_tools import mcp_server_settings, start_mcp_tools
+    from rlframe.workers.rollout.tools import ToolLoadError
+
+    for i, server in enumerate(mt.mcp_servers):
+        key = f"rollout.multi_turn.mcp_servers[{i}]"
+        if bool(server.command) == bool(server.url):
+            need(False, key, "give exactly one of command (a server rlframe starts over stdio) and url (a running "
+                 "streamable-HTTP server). Fix: {command: python, args: [my_server.py]} or {url: http://127.0.0.1:8931/mcp}")
+            continue
+        if server.url and not server.url.startswith(("http://", "https://")):
+            need(False, f"{key}.url", f"'{server.url}' is not an http(s) url. Fix: e.g. http://127.0.0.1:8931/mcp")
+            continue
+        try:
+            servers, tools = start_mcp_tools([mcp_server_settings(server)], names, timeout_s=1.0)
+        except ToolLoadError as error:
+            need(False, key, str(error))
+            continue
+        for started in servers:
+            started.close()
+        names.update({name: key for name in tools})
 
 
 def tag_format_tools_take_one_argument(cfg, need) -> None:
