@@ -150,6 +150,24 @@ class MultiTurnSettings:
 
 
 @dataclass(frozen=True)
+class AgentProgramSettings:
+    """A user's agent run once per sample against the gateway (workers/rollout/agent_program.py): a function
+    (`path`, `name`) or a shell `command`. `record_dir`: where each rollout's call record goes (None: nowhere)."""
+
+    path: str = ""
+    name: str = ""
+    command: str = ""
+    rows: str = "merged"
+    max_concurrent_episodes: int = 8
+    episode_timeout_s: float = 120.0
+    max_tokens_per_call: int = 0  # 0: the episode's remaining budget
+    tool_format: str = "hermes"
+    host: str = "127.0.0.1"
+    sampling_from_request: bool = False
+    record_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class RolloutSettings:
     """The rollout engine (`workers/rollout/`) and how it samples for training, validation, baselines."""
 
@@ -172,6 +190,7 @@ class RolloutSettings:
     # itself and receives only their tensors after each update. None: it receives full weights.
     lora: LoraSettings | None = None
     multi_turn: MultiTurnSettings | None = None  # None: one completion per prompt
+    agent_program: AgentProgramSettings | None = None  # a user's agent through the gateway (None: off)
 
     def greedy(self) -> SamplingSettings:
         """One greedy sample (ReMax's baseline)."""

@@ -9,6 +9,7 @@ from rlframe.bounds import bounded, one_of
 
 ENGINES = ("auto", "vllm", "hf")
 TURN_REWARDS = ("final", "per_turn")
+AGENT_ROWS = ("merged", "per_call")
 
 
 @dataclass
@@ -94,6 +95,35 @@ class PartialRolloutConfig:
 
 
 @dataclass
+class AgentProgramConfig:
+    """Bring your own agent (workers/rollout/agent_program.py, docs/gateway.md): each sample runs the user's agent
+    once, in its own process, with OPENAI_BASE_URL pointing at an OpenAI-compatible endpoint over this rank's
+    engine (workers/rollout/gateway.py) and a per-episode OPENAI_API_KEY. Every call is recorded token in, token
+    out; an episode's calls become its training row (`rows`). Set `path` + `name` (a function name(row) in a
+    Python file) or `command` (the row as JSON on stdin, the answer on stdout); empty: off."""
+
+    path: str = ""  # a Python file defining the agent function
+    name: str = ""  # the function: name(row: dict) -> answer text | {"answer": ..., "reward": ...}
+    command: str = ""  # or a shell command: the row as JSON on stdin, the answer (text or that dict as JSON) on stdout
+    # merged: one row per episode, the calls chained (each call's prompt extends the previous call's prompt +
+    # completion; the in-between tokens are context); needs an append-only chat template (checked on the model folder).
+    rows: str = one_of("merged", AGENT_ROWS)
+    max_concurrent_episodes: int = bounded(8, ">= 1")  # agent processes alive at once on each engine's rank
+    episode_timeout_s: float = bounded(120.0, "> 0")  # an episode still running then is killed (a failed episode)
+    max_tokens_per_call: int = bounded(0, ">= 0", "0: the episode's remaining budget")  # cap on a call's max_tokens
+    tool_format: str = "hermes"  # tool-call parser for `tools` requests (as rollout.multi_turn.format)
+    prompt_tokens: int = bounded(512, ">= 0")  # room for the agent's own prompt (system message, tools) in max_model_len
+    host: str = "127.0.0.1"  # the endpoint's address (loopback: only this machine's agents reach it)
+    # false: training samples at rollout.temperature/top_p/top_k whatever the agent asks (the trainer scores tokens at
+    # that temperature); true: the request's temperature/top_p are used (rollout/logprob_abs_diff then measures that)
+    sampling_from_request: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path or self.command)
+
+
+@dataclass
 class RolloutConfig:
     engine: str = one_of("auto", ENGINES)  # auto (vllm when installed, else hf) | vllm | hf
     n: int = bounded(4, ">= 1")  # samples per prompt
@@ -124,6 +154,7 @@ class RolloutConfig:
     # `rollout.agent` is another name for `rollout.multi_turn` (read into it by rlframe.main before validation)
     agent: Optional[dict[str, Any]] = None
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    agent_program: AgentProgramConfig = field(default_factory=AgentProgramConfig)  # bring your own agent (off)
 
 
 def partial_tokens_per_round(cfg) -> int:
@@ -306,9 +337,39 @@ def partial_staleness_bounds(cfg, need) -> None:
          "raise rollout.partial.max_token_staleness")
 
 
+def agent_program_well_formed(cfg, need) -> None:
+    """rollout.agent_program: a function (path + name, defined in the file) or a command, not both; merged or
+    per_call rows; not with the built-in agent loop, partial rollouts or a tensor-parallel engine."""
+    ap, key = cfg.rollout.agent_program, "rollout.agent_program"
+    if not ap.enabled:
+        return
+    need(not (ap.path and ap.command), key, "both path and command are set. Fix: one of them")
+    need(bool(ap.command) or bool(ap.name), f"{key}.name", f"no function named for {ap.path}. Fix: "
+         f"rollout.agent_program.name=<the function name(row) in {ap.path}>")
+    need(ap.rows != "per_call", f"{key}.rows", "per_call (one training row per call) needs the driver to repeat an "
+         "episode's prompt row per call, which is not wired yet. Fix: rollout.agent_program.rows=merged")
+    need(not cfg.rollout.multi_turn.enable, key, "the built-in agent loop (rollout.multi_turn.enable) and an agent "
+         "program both drive the rollout. Fix: rollout.multi_turn.enable=false")
+    need(not cfg.rollout.partial.enable, key, "partial rollouts cannot resume an agent's episode. "
+         "Fix: rollout.partial.enable=false")
+    need(cfg.rollout.tensor_parallel_size == 1, key, "episodes are scheduled as the agents call, which differs "
+         "between the ranks of a tensor-parallel engine. Fix: rollout.tensor_parallel_size=1")
+    if ap.path:
+        from rlframe.workers.rollout.episode_files import agent_function_problem
+
+        problem = agent_function_problem(ap.path, ap.name)
+        need(problem is None, f"{key}.path", problem or "")
+    from rlframe.workers.rollout.tools import ToolLoadError, get_parser
+
+    try:
+        get_parser(ap.tool_format)
+    except ToolLoadError as error:
+        need(False, f"{key}.tool_format", str(error))
+
+
 CHECKS = (tensor_parallel_divides_engine_ranks, tensor_parallel_supported, world_size_fits_placement,
           turn_rewards_known, multi_turn_one_rank_per_engine, multi_turn_files_load, tag_format_tools_take_one_argument,
-          partial_can_continue, partial_staleness_bounds)
+          partial_can_continue, partial_staleness_bounds, agent_program_well_formed)
 
 
 # ---------------------------------------------------------------------- checks on the model folder
@@ -323,4 +384,17 @@ def partial_policy_is_text_only(cfg, need, model_dir: str | None) -> None:
          "need the pixels and 3-D positions again). Fix: rollout.partial.enable=false")
 
 
-FOLDER_CHECKS = (partial_policy_is_text_only,)
+def agent_rows_merge_on_template(cfg, need, model_dir: str | None) -> None:
+    """rollout.agent_program.rows=merged chains an episode's calls into one row: the model's chat template must only
+    append messages (rendering a conversation one message longer keeps the shorter rendering as its prefix)."""
+    ap = cfg.rollout.agent_program
+    if not ap.enabled or ap.rows != "merged" or model_dir is None:
+        return
+    from rlframe.workers.rollout.episode_files import template_rewrites
+
+    problem = template_rewrites(model_dir, cfg.model.trust_remote_code)
+    need(problem is None, "rollout.agent_program.rows", f"merged rows need an append-only chat template: {problem}. "
+         "Fix: a template that does not rewrite earlier turns (tokenizer.chat_template in the model folder)")
+
+
+FOLDER_CHECKS = (partial_policy_is_text_only, agent_rows_merge_on_template)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rlframe.config import OptimConfig, RLConfig, off_policy_correction, policy_loss_options
 from rlframe.workers.engine.registry import engine_section
-from rlframe.workers.settings import (ActorSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
+from rlframe.workers.settings import (ActorSettings, AgentProgramSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
                                      LoraSettings, MultiTurnSettings, OptimSettings, PolicyLossSettings, RefSettings,
                                      RewardModelSettings, RolloutSettings, SamplingSettings, UpdateLoop)
 
@@ -138,14 +138,32 @@ def rollout_settings(cfg: RLConfig, model_path: str) -> RolloutSettings:
     return RolloutSettings(
         model_path=model_path, device=device_request(cfg), trust_remote_code=cfg.model.trust_remote_code,
         max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length
-        + (rollout.multi_turn.tool_prompt_tokens if rollout.multi_turn.enable else 0), train=train, validation=validation,
+        + (rollout.multi_turn.tool_prompt_tokens if rollout.multi_turn.enable else 0)
+        + (rollout.agent_program.prompt_tokens if rollout.agent_program.enabled else 0), train=train, validation=validation,
         seed=cfg.trainer.seed, gpu_memory_utilization=rollout.gpu_memory_utilization,
         cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, enable_prefix_caching=rollout.enable_prefix_caching,
         enable_chunked_prefill=rollout.enable_chunked_prefill, max_num_batched_tokens=rollout.max_num_batched_tokens,
         enable_sleep_mode=rollout.enable_sleep_mode, enforce_eager=rollout.enforce_eager,
         tensor_parallel_size=rollout.tensor_parallel_size,
         lora=lora_settings(cfg) if cfg.model.lora.rank > 0 and cfg.model.lora.weight_sync == "adapter" else None,
-        multi_turn=multi_turn_settings(cfg))
+        multi_turn=multi_turn_settings(cfg), agent_program=agent_program_settings(cfg))
+
+
+def agent_program_settings(cfg: RLConfig) -> AgentProgramSettings | None:
+    """rollout.agent_program -> the episode runner's settings; its call record goes to <trainer.run_dir>/gateway."""
+    ap = cfg.rollout.agent_program
+    if not ap.enabled:
+        return None
+    import os
+
+    from rlframe.workers.rollout.tools import resolve_tool_path
+
+    run_dir = cfg.trainer.run_dir
+    return AgentProgramSettings(path=str(resolve_tool_path(ap.path)) if ap.path else "", name=ap.name, command=ap.command,
+                                rows=ap.rows, max_concurrent_episodes=ap.max_concurrent_episodes,
+                                episode_timeout_s=ap.episode_timeout_s, max_tokens_per_call=ap.max_tokens_per_call,
+                                tool_format=ap.tool_format, host=ap.host, sampling_from_request=ap.sampling_from_request,
+                                record_dir=os.path.join(os.path.abspath(run_dir), "gateway") if run_dir else None)
 
 
 def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:

@@ -56,7 +56,11 @@ def generate_sequences(engine, settings, prompts: DataProto, rank: int) -> DataP
         if "step" in meta:
             torch.manual_seed(settings.seed * 1_000_003 + int(meta["step"]) * 1_009 + rank)
     start = time.perf_counter()
-    if getattr(settings, "multi_turn", None) is None:
+    if getattr(settings, "agent_program", None) is not None:  # a user's agent through the gateway
+        from rlframe.workers.rollout.agent_program import agent_episodes_for
+
+        out = agent_episodes_for(engine, settings, eos_and_pad_ids).run(prompts, sampling, meta)
+    elif getattr(settings, "multi_turn", None) is None:
         out = engine.generate(prompts, sampling)
     else:  # multi-turn rollouts with tools (workers/rollout/agent_loop.py)
         from rlframe.workers.rollout.agent_loop import agent_loop_for
