@@ -79,9 +79,12 @@ def _register_schema() -> None:
 AGENT_PREFIX, MULTI_TURN_PREFIX = "rollout.agent.", "rollout.multi_turn."
 
 
+LOOP_KEYS = ("tools", "mcp_servers", "environment")  # naming one of these under rollout.agent turns the loop on
+
+
 def agent_alias_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """`rollout.agent.<key>=v` is another name for `rollout.multi_turn.<key>=v` (the agent loop's section);
-    naming tools or an environment there also turns the loop on, unless `enable` is given."""
+    naming tools, MCP servers or an environment there also turns the loop on, unless `enable` is given."""
     out, notices, turned_on = [], [], False
     for arg in overrides:
         prefix = arg[: len(arg) - len(arg.lstrip("+~"))]
@@ -92,11 +95,11 @@ def agent_alias_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
         key = body.split("=", 1)[0][len(AGENT_PREFIX):]
         out.append(prefix + MULTI_TURN_PREFIX + body[len(AGENT_PREFIX):])
         notices.append(f"{AGENT_PREFIX}{key} -> {MULTI_TURN_PREFIX}{key}")
-        turned_on |= key.startswith(("tools", "environment"))
+        turned_on |= key.startswith(LOOP_KEYS)
     explicit = any(a.lstrip("+~").startswith((MULTI_TURN_PREFIX + "enable", AGENT_PREFIX + "enable")) for a in overrides)
     if turned_on and not explicit:
         out.append(MULTI_TURN_PREFIX + "enable=true")
-        notices.append("rollout.agent tools/environment given -> rollout.multi_turn.enable=true")
+        notices.append("rollout.agent tools/mcp_servers/environment given -> rollout.multi_turn.enable=true")
     return out, notices
 
 
@@ -107,7 +110,7 @@ def agent_section_as_multi_turn(composed):
         return composed
     data = OmegaConf.to_container(composed)
     agent = data["rollout"].pop("agent") or {}
-    if ("tools" in agent or "environment" in agent) and "enable" not in agent:
+    if any(key in agent for key in LOOP_KEYS) and "enable" not in agent:
         agent["enable"] = True
     data["rollout"]["multi_turn"] = OmegaConf.to_container(
         OmegaConf.merge(data["rollout"].get("multi_turn") or {}, agent))

@@ -136,6 +136,21 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class McpServerSettings:
+    """One MCP server whose tools the agent loop calls (workers/rollout/mcp_tools.py): a command started over
+    stdio, or the url of a streamable-HTTP server. Paths in `command`/`args` are resolved by the driver."""
+
+    name: str = ""  # what errors and the tools' `path` call it ("" = derived from the command or url)
+    command: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # extra environment variables for the server process
+    url: str = ""
+    tools: tuple[str, ...] = ()  # the server's tools the model gets (() = all it lists)
+    prefix: str = ""  # the model sees each tool as prefix + name
+    startup_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class MultiTurnSettings:
     """Multi-turn rollouts with tools (workers/rollout/agent_loop.py); `tools`: (path, function name) pairs."""
 
@@ -147,6 +162,7 @@ class MultiTurnSettings:
     format: str = "hermes"
     tool_prompt: bool = True
     environment: tuple[str, str] | None = None  # (path, class name): feedback after each model turn
+    mcp_servers: tuple[McpServerSettings, ...] = ()  # MCP servers whose tools join `tools`
 
 
 @dataclass(frozen=True)

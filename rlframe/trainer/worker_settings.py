@@ -167,6 +167,8 @@ def agent_program_settings(cfg: RLConfig) -> AgentProgramSettings | None:
 
 
 def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:
+    from rlframe.workers.rollout.mcp_tools import mcp_server_settings
+
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
@@ -174,7 +176,8 @@ def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:
                              max_tokens_per_turn=mt.max_tokens_per_turn,
                              max_tool_response_tokens=mt.max_tool_response_tokens, tool_timeout_s=mt.tool_timeout_s,
                              format=mt.format, tool_prompt=mt.tool_prompt,
-                             environment=(mt.environment.path, mt.environment.name) if mt.environment.path else None)
+                             environment=(mt.environment.path, mt.environment.name) if mt.environment.path else None,
+                             mcp_servers=tuple(mcp_server_settings(server) for server in mt.mcp_servers))
 
 
 def actor_settings(cfg: RLConfig, model_path: str, *, with_rollout: bool = True) -> ActorSettings:
