@@ -203,7 +203,7 @@ class RolloutSource:
             self.clock.record("rollout", pending.started, time.perf_counter())
         scores = self.scorer.start(batch, overlap)
         metrics = dict(pending.metrics)
-        if cfg.rollout.multi_turn.enable:
+        if cfg.rollout.multi_turn.enable or cfg.rollout.agent_program.enabled:
             metrics.update(agent_metrics(batch.non_tensor_batch, batch.batch["response_mask"],
                                          batch.batch["attention_mask"]))
         if pending.baseline is not None:

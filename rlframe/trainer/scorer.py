@@ -202,16 +202,24 @@ class Scorer:
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlframe-reward")
 
     def decode(self, batch: DataProto) -> list[str]:
-        """Each response's text up to its last trained token."""
+        """Each response's text up to its last trained token; an agent program's own final answer where it gave one
+        (non-tensor `agent_answer`, workers/rollout/agent_program.py; None for a failed episode)."""
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
         lengths = ((last_trained_token(mask) + 1) * (mask.sum(-1) > 0)).tolist()
-        return self.tokenizer.batch_decode([r[:n].tolist() for r, n in zip(responses, lengths)],
-                                           skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([r[:n].tolist() for r, n in zip(responses, lengths)],
+                                            skip_special_tokens=True)
+        answers = batch.non_tensor_batch.get("agent_answer")
+        if answers is not None:
+            texts = [text if answer is None else str(answer) for text, answer in zip(texts, answers)]
+        return texts
 
     def rule_and_model_scores(self, batch: DataProto, texts: list[str]) -> tuple[RewardResult, np.ndarray, dict]:
         """(the reward functions' result, score = rule-based + reward_model.weight * RM score [B], metrics)."""
         nt = batch.non_tensor_batch
-        result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), list(nt["extra_info"]),
+        extra_infos = list(nt["extra_info"])
+        if "agent_transcript" in nt:  # an agent program's conversation, for reward functions that read it
+            extra_infos = [{**(e or {}), "transcript": t} for e, t in zip(extra_infos, nt["agent_transcript"])]
+        result = self.rewards.score(texts, list(nt["ground_truth"]), list(nt["data_source"]), extra_infos,
                                     response_lengths=batch.batch["response_mask"].sum(-1).long().tolist())
         scores = result.scores
         if "agent_env_reward" in nt:  # a multi-turn environment's rewards (summed over the turns)

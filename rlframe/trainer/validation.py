@@ -23,8 +23,10 @@ SAMPLES_KEPT = 8  # responses written to validation_samples.jsonl per validation
 
 
 def add_environment_rows(prompts: DataProto, batch: DataProto, cfg: RLConfig) -> None:
-    """A multi-turn environment's `reset(row)` gets the row's ground truth, data source and extra info."""
-    if not (cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.environment.path):
+    """A multi-turn environment's `reset(row)` and an agent program's `row` get the row's ground truth, data
+    source and extra info."""
+    if not ((cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.environment.path)
+            or cfg.rollout.agent_program.enabled):
         return
     nt = batch.non_tensor_batch
     rows = [{"ground_truth": nt["ground_truth"][i], "data_source": nt["data_source"][i],
