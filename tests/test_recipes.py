@@ -61,6 +61,10 @@ SIZES: dict[str, list[str]] = {
     "grpo_vlm_shapes": ["data.shapes.n_train=16", "data.shapes.n_val=4", "data.val_max_samples=4",
                         "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
                         LENGTH_REWARD, "actor.optim.lr=1e-3"],
+    # the example agent (openai client) through the gateway; a test parser makes every model turn call the calculator
+    "grpo_gateway_math": ["data.max_response_length=96", "rollout.agent_program.max_tokens_per_call=8",
+                          "rollout.agent_program.tool_format=" + str(REPO_ROOT / "tests" / "test_gateway.py")
+                          + ":calculator_every_turn"],
     # RLOO, REINFORCE++ and DAPO (dynamic sampling, overlong buffer): the overrides of their checks
     # (tests/test_e2e_algorithms.py RECIPE_CASES)
     **{recipe: args for recipe, (args, _) in ALGORITHM_CASES.items()},
@@ -146,6 +150,11 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
     if recipe in ("grpo_feedback_math", "grpo_tool_math"):
         assert "engine=vllm" in result.stdout or not vllm_installed()
         check_multi_turn_run(run_dir, continuous=vllm_installed(), environment=recipe == "grpo_feedback_math")
+    if recipe == "grpo_gateway_math":
+        from test_gateway import check_gateway_run
+
+        assert "engine=vllm" in result.stdout or not vllm_installed()
+        check_gateway_run(run_dir)
     if recipe in ALGORITHM_CASES:
         ALGORITHM_CASES[recipe][1](metrics, result.stdout)
 
