@@ -1,4 +1,5 @@
-"""The per-step metrics of multi-turn rollouts, from the per-row fields the agent loop writes (agent_*)."""
+"""The per-step metrics of multi-turn rollouts, from the per-row fields the agent loop writes (agent_*), and of a
+user's agent program through the gateway (gateway_*: workers/rollout/agent_program.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from rlframe.protocol import AGENT_END_REASONS
 def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:
     """Per-step metrics from the loop's per-row fields: turns, tool calls and errors per trajectory,
     the share ending by answer / turn limit / budget, context (tool) vs trained tokens per trajectory."""
+    if "gateway_calls" in non_tensors:
+        return gateway_metrics(non_tensors, response_mask, attention_mask)
     if "agent_turns" not in non_tensors:
         return {}
     turns = np.asarray(non_tensors["agent_turns"], dtype=float)
@@ -35,4 +38,42 @@ def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask
         metrics["agent/env_reward_mean"] = float(np.mean(np.asarray(non_tensors["agent_env_reward"], dtype=float)))
     for reason in AGENT_END_REASONS:
         metrics[f"agent/end_{reason}"] = float(np.mean([e == reason for e in ends]))
+    return metrics
+
+
+FAILURES = ("timeout", "crash", "no_result", "bad_answer", "spawn_error")
+REFUSALS = ("malformed", "late", "over_budget", "unknown_key", "template", "not_found")
+
+
+def gateway_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:
+    """Per-step metrics of agent-program episodes (one row each): calls and tokens per episode, the calls merged
+    into the row, failed episodes by reason (gateway/failed/<reason>: counts), refused calls by kind
+    (gateway/refused/<kind>: counts; late = after the episode ended), trained vs context tokens per row."""
+    calls = np.asarray(non_tensors["gateway_calls"], dtype=float)
+    unmerged = np.asarray(non_tensors["gateway_unmerged_calls"], dtype=float)
+    failed = [str(f) for f in non_tensors["gateway_failed"]]
+    width = response_mask.size(1)
+    trained = response_mask.float().sum(-1)
+    response_tokens = attention_mask[:, -width:].float().sum(-1)
+    metrics = {"gateway/episodes": float(len(calls)), "gateway/calls_per_episode": float(calls.mean()),
+               "gateway/merged_calls_per_row": float((calls - unmerged).mean()),
+               "gateway/unmerged_calls": float(unmerged.sum()),
+               "gateway/tool_calls_per_episode": float(np.mean(np.asarray(non_tensors["gateway_tool_calls"], dtype=float))),
+               "gateway/prompt_tokens_per_episode": float(np.mean(np.asarray(non_tensors["gateway_prompt_tokens"], dtype=float))),
+               "gateway/completion_tokens_per_episode": float(np.mean(
+                   np.asarray(non_tensors["gateway_completion_tokens"], dtype=float))),
+               "gateway/episode_seconds_mean": float(np.mean(np.asarray(non_tensors["gateway_seconds"], dtype=float))),
+               "gateway/trained_tokens_mean": float(trained.mean()),
+               "gateway/context_tokens_mean": float((response_tokens - trained).mean()),
+               "gateway/failed_rate": float(np.mean([f != "" for f in failed]))}
+    for reason in sorted(set(FAILURES) | {f for f in failed if f}):
+        metrics[f"gateway/failed/{reason}"] = float(sum(f == reason for f in failed))
+    refused: dict[str, float] = {kind: 0.0 for kind in REFUSALS}
+    for by_kind in non_tensors.get("gateway_refused", []):
+        for kind, count in by_kind.items():
+            refused[kind] = refused.get(kind, 0.0) + count
+    refused["unknown_key"] += float(np.sum(np.asarray(non_tensors.get("gateway_unknown_key_calls", [0]), dtype=float)))
+    metrics.update({f"gateway/refused/{kind}": value for kind, value in refused.items()})
+    if "agent_env_reward" in non_tensors:
+        metrics["gateway/agent_reward_mean"] = float(np.mean(np.asarray(non_tensors["agent_env_reward"], dtype=float)))
     return metrics
