@@ -33,12 +33,14 @@ PARITY_REWARD = "reward.functions=[{path: " + str(REPO_ROOT / "tests" / "reward_
     ", name: compute_score}]"  # varies on any model, so the critic has something to regress on
 
 
-def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks(tmp_path, tiny_model_dir):
-    metrics, stdout = _run(tmp_path, tiny_model_dir, "ppo_math", PARITY_REWARD, "actor.world_size=2",
-                           "actor.ppo_micro_batch_size_per_device=2", "critic.ppo_micro_batch_size_per_device=2",
-                           "trainer.critic_warmup=1", "algorithm.use_kl_in_reward=true",
-                           "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01",
-                           "algorithm.kl_ctrl.horizon=100")
+PPO_TWO_RANKS = [PARITY_REWARD, "actor.world_size=2", "actor.ppo_micro_batch_size_per_device=2",
+                 "critic.ppo_micro_batch_size_per_device=2", "trainer.critic_warmup=1", "trainer.save_every=2",
+                 "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01",
+                 "algorithm.kl_ctrl.horizon=10"]
+
+
+def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks_then_resume(tmp_path, tiny_model_dir):
+    metrics, stdout = _run(tmp_path, tiny_model_dir, "ppo_math", *PPO_TWO_RANKS)
     assert "actor_rollout+ref+critic" in stdout and "sharded=True" in stdout
     warmup, trained = metrics[1], metrics[2]
     for step in (warmup, trained):
@@ -51,6 +53,19 @@ def test_ppo_critic_gae_kl_in_reward_warmup_two_ranks(tmp_path, tiny_model_dir):
     # the first values come from a zero-initialised head; after one critic step they are not all zero
     assert warmup["critic/vpred_mean"] == pytest.approx(0.0, abs=1e-6)
     assert trained["critic/vpred_mean"] != 0.0
+
+    # the checkpoint holds the critic and the adaptive KL controller: one more step resumed from it
+    run_dir = tmp_path / "run"
+    assert (run_dir / "checkpoints" / "step_2" / "critic").is_dir()
+    resumed = run_main(["recipe=ppo_math", *TINY, *PPO_TWO_RANKS, f"model.path={tiny_model_dir}",
+                        f"trainer.run_dir={run_dir}", "trainer.total_steps=3"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_2'}" in resumed.stdout
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    _finite(metrics[3], "critic/vf_loss", "actor/pg_loss")
+    # the adaptive beta continues from the checkpoint, not from kl_coef
+    assert metrics[3]["reward/kl_coef"] != pytest.approx(0.001, abs=0.0)
 
 
 def check_dapo_dynamic_sampling_overlong(metrics: list[dict], stdout: str) -> None:
@@ -151,21 +166,3 @@ def test_remax_greedy_baseline_no_reference(tmp_path, tiny_model_dir):
         # each sample's advantage is its reward minus its prompt's greedy reward (n samples per prompt)
         expected = -(step["critic/score/mean"] - step["reward/greedy_baseline_mean"])
         assert step["actor/pg_loss"] == pytest.approx(expected, abs=1e-5)
-
-
-def test_ppo_checkpoint_holds_critic_and_resumes(tmp_path, tiny_model_dir):
-    run_dir = tmp_path / "run"
-    common = ["recipe=ppo_math", *TINY, PARITY_REWARD, f"model.path={tiny_model_dir}", f"trainer.run_dir={run_dir}",
-              "trainer.save_every=1", "trainer.val_before_train=false", "algorithm.use_kl_in_reward=true",
-              "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=10"]
-    first = run_main([*common, "trainer.total_steps=1"], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-6000:]
-    assert (run_dir / "checkpoints" / "step_1" / "critic").is_dir()
-    second = run_main([*common, "trainer.total_steps=2"], cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-6000:]
-    assert "resumed from" in second.stdout
-    metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2]
-    # the adaptive beta continues from the checkpoint, not from kl_coef
-    assert metrics[1]["reward/kl_coef"] != pytest.approx(0.001, abs=0.0)
-    _finite(metrics[1], "critic/vf_loss", "actor/pg_loss")
