@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rlframe.workers.rollout.tools import ToolCall
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,11 +38,12 @@ def check_rows_match_record(folder: Path) -> list[dict]:
     """Every row's tokens are exactly what the engine saw and sampled per the gateway's record: the prompt is the
     chain's first prompt, the trained tokens (mask 1) the sampled ids of its calls in order, and the context tokens
     between them the part of each call's prompt after the previous call's prompt + sampled ids."""
-    calls = {(c["kind"], c["step"], c["row"], c["call"], c["choice"]): c for c in read_jsonl(folder, "calls-*.jsonl")}
+    calls = {(c["pid"], c["rollout"], c["row"], c["call"], c["choice"]): c
+             for c in read_jsonl(folder, "calls-*.jsonl")}
     episodes = read_jsonl(folder, "episodes-*.jsonl")
     assert episodes, f"no episodes recorded in {folder}"
     for ep in episodes:
-        links = [calls[(ep["kind"], ep["step"], ep["row"], call, choice)] for call, choice in ep["chain"]]
+        links = [calls[(ep["pid"], ep["rollout"], ep["row"], call, choice)] for call, choice in ep["chain"]]
         mask = [int(m) for m in ep["response_mask"]]
         if not links:
             assert not any(mask), ep
@@ -80,18 +80,20 @@ def check_gateway_run(run_dir: Path) -> None:
         print({k: v for k, v in m.items() if k.startswith(("gateway/", "rollout/logprob", "critic/score"))})
     episodes = check_rows_match_record(run_dir / "gateway")
     train = [ep for ep in episodes if ep["kind"] == "train"]
-    assert {ep["step"] for ep in train} == {1, 2} and all(len(ep["chain"]) > 1 for ep in train)
+    assert len({ep["rollout"] for ep in train}) == 2 and all(len(ep["chain"]) > 1 for ep in train)
+    calls = read_jsonl(run_dir / "gateway", "calls-*.jsonl")
+    assert {c["policy_version"] for c in calls if c["kind"] == "train"} == {0, 1}  # step 1: initial weights
     assert any(ep["kind"] == "validate" for ep in episodes)
 
 
 # ------------------------------------------------------------------ the tiny HF engine, in this process
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
+    from rlframe.workers.rollout.base import eos_and_pad_ids
+    from rlframe.workers.rollout.hf_rollout import HFRollout
     from transformers import AutoTokenizer
 
     from rlframe.device import detect_profile
-    from rlframe.workers.rollout.base import eos_and_pad_ids
-    from rlframe.workers.rollout.hf_rollout import HFRollout
 
     eos, pad = eos_and_pad_ids(str(tiny_model_dir))
     rollout = HFRollout(str(tiny_model_dir), detect_profile("cpu", "float32", "sdpa", "hf"), eos_token_ids=eos,
@@ -101,7 +103,6 @@ def engine(tiny_model_dir):
 
 def prompt_batch(tokenizer, n: int, pad: int):
     import numpy as np
-
     from rlframe.workers.rollout.agent_loop import left_padded
 
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {i} plus 7?"}], tokenize=False,
@@ -141,7 +142,6 @@ def test_openai_client_chat_completions_stream_tools_and_token_in_token_out(engi
     ids, n, stop and logprobs; malformed requests and a wrong key are refused and counted; stop frees the port."""
     import httpx
     import openai
-
     from rlframe.workers.rollout.gateway import Gateway
     from rlframe.workers.rollout.gateway_chat import ChatEncoder
     from rlframe.workers.rollout.gateway_engines import CallParams, request_engine
@@ -235,8 +235,9 @@ def agent(row):
 
 
 def test_faults_counted_and_named_step_completes_nothing_leaks(engine, tiny_model_dir, tmp_path, monkeypatch):
-    from rlframe.trainer.agent_metrics import gateway_metrics
     from rlframe.workers.settings import SamplingSettings
+
+    from rlframe.trainer.agent_metrics import gateway_metrics
 
     agents = tmp_path / "agents.py"
     agents.write_text(FAULT_AGENTS)
@@ -313,9 +314,8 @@ def test_config_refusals_name_the_key(tmp_path):
 
 
 def test_template_checks_and_row_messages(tiny_model_dir, tmp_path):
-    from transformers import AutoTokenizer
-
     from rlframe.workers.rollout.episode_files import prompt_messages, template_rewrites
+    from transformers import AutoTokenizer
 
     assert template_rewrites(str(tiny_model_dir)) is None
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

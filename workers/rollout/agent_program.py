@@ -33,7 +33,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -45,13 +44,13 @@ import torch
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.agent_loop import left_padded, object_array
 from rlframe.workers.rollout.episode_files import prompt_messages
+from rlframe.workers.rollout.episode_forks import ForkServer
 from rlframe.workers.rollout.gateway import CallRecord, Episode, Gateway
 from rlframe.workers.rollout.gateway_chat import ChatEncoder
 from rlframe.workers.rollout.gateway_engines import CallParams, request_engine
 from rlframe.workers.rollout.tools import get_parser
 
 logger = logging.getLogger(__name__)
-RUNNER = str(Path(__file__).with_name("episode_runner.py"))
 
 
 @dataclass
@@ -82,6 +81,9 @@ class AgentEpisodes:
         self.warned: set[str] = set()
         self.last_gateway: Gateway | None = None  # for tests: the port it held, the counts
         self.last_runs: list[AgentRun] = []
+        self.forks: ForkServer | None = None
+        self.train_rollouts = 0  # training rollouts run by this process (the policy version when no step is sent)
+        self.rollouts = 0  # rollouts run by this process (the record's `rollout`: validations have no step)
 
     # ------------------------------------------------------------------ one rollout
     def run(self, prompts: DataProto, sampling, meta: dict) -> DataProto:
@@ -89,7 +91,10 @@ class AgentEpisodes:
         prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
         nt = prompts.non_tensor_batch
         seeds, env_rows = nt.get("sample_seed"), nt.get("env_row")
-        version = max(int(meta.get("step", 1)) - 1, 0)  # synchronous colocated: the updates behind the weights
+        # the updates behind the weights: the step's (when the driver sends it), else the training rollouts so far
+        # (synchronous training: one update after each)
+        version = int(meta["step"]) - 1 if "step" in meta else self.train_rollouts
+        self.train_rollouts += 0 if meta.get("validate") or meta.get("greedy") else 1
         gateway = Gateway(self.encoder, host=self.program.host, max_model_len=self.settings.max_model_len,
                           max_tokens_per_call=self.program.max_tokens_per_call,
                           sampling_from_request=self.program.sampling_from_request, policy_version=version,
@@ -102,6 +107,8 @@ class AgentEpisodes:
         rows = [self.agent_row(i, prompt_ids[i], None if env_rows is None else env_rows[i]) for i in range(len(runs))]
         engine = request_engine(self.engine, self.tokenizer, self.eos_ids, self.pad_id)
         url = gateway.start()
+        # a function agent: episodes forked from one server that imported the client libraries once (per rollout)
+        self.forks = None if self.program.command else ForkServer(dict(os.environ))
         try:
             self.drive(gateway, engine, runs, rows, url)
         finally:
@@ -109,6 +116,8 @@ class AgentEpisodes:
                 self.end(run, gateway, "timeout" if run.process is not None and run.process.poll() is None else None)
             engine.abort_all()
             gateway.stop()
+            if self.forks is not None:
+                self.forks.close()
         self.last_gateway, self.last_runs = gateway, runs
         out = self.to_batch(runs, prompt_ids, sampling.max_new_tokens, gateway)
         self.write_record(runs, out, meta, version)
@@ -147,22 +156,21 @@ class AgentEpisodes:
         env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": run.episode.key,
                "RLFRAME_EPISODE_ROW": str(run.episode.row)}
         env["NO_PROXY"] = ",".join(filter(None, [env.get("NO_PROXY", ""), "127.0.0.1", "localhost"]))
-        result = os.path.join(run.folder, "result.json")
-        if self.program.command:
-            argv, shell = self.program.command, True
-        else:
-            argv, shell = [sys.executable, RUNNER, self.program.path, self.program.name, result], False
+        files = {name: os.path.join(run.folder, name) for name in ("stdin.json", "stdout.txt", "stderr.txt")}
         run.started = time.monotonic()
         run.deadline = run.started + self.program.episode_timeout_s
         try:
-            with open(os.path.join(run.folder, "stdin.json"), "w") as f:
+            with open(files["stdin.json"], "w") as f:
                 json.dump(row, f, default=str)
-            stdin = open(os.path.join(run.folder, "stdin.json"))
-            stdout = open(os.path.join(run.folder, "stdout.txt"), "w")
-            stderr = open(os.path.join(run.folder, "stderr.txt"), "w")
-            with stdin, stdout, stderr:
-                run.process = subprocess.Popen(argv, shell=shell, stdin=stdin, stdout=stdout, stderr=stderr, env=env,
-                                               start_new_session=True, cwd=os.getcwd())
+            if self.forks is not None:
+                run.process = self.forks.spawn({
+                    "path": self.program.path, "name": self.program.name, "result": os.path.join(run.folder, "result.json"),
+                    "stdin": files["stdin.json"], "stdout": files["stdout.txt"], "stderr": files["stderr.txt"], "env": env})
+            else:
+                with open(files["stdin.json"]) as stdin, open(files["stdout.txt"], "w") as stdout, \
+                        open(files["stderr.txt"], "w") as stderr:
+                    run.process = subprocess.Popen(self.program.command, shell=True, stdin=stdin, stdout=stdout,
+                                                   stderr=stderr, env=env, start_new_session=True, cwd=os.getcwd())
             run.pids.append(run.process.pid)
         except OSError as error:
             run.failed, run.detail = "spawn_error", f"{type(error).__name__}: {error}"
@@ -177,7 +185,10 @@ class AgentEpisodes:
         try:
             os.killpg(run.process.pid, signal.SIGKILL)  # the agent and anything it started in its group
         except (ProcessLookupError, PermissionError):
-            pass
+            try:  # (a forked child killed before its setsid has no group yet)
+                os.kill(run.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         code = run.process.wait()
         if reason is None and code != 0:
             reason = "crash"
@@ -330,21 +341,23 @@ class AgentEpisodes:
         os.makedirs(folder, exist_ok=True)
         kind = "validate" if meta.get("validate") else "train"
         step, pid = meta.get("step"), os.getpid()
+        self.rollouts += 1
         with open(os.path.join(folder, f"calls-{pid}.jsonl"), "a") as calls:
             for run in runs:
                 for call in run.episode.calls:
-                    for c, choice in enumerate(call.choices):
-                        calls.write(json.dumps({
-                            "kind": kind, "step": step, "row": run.episode.row, "call": call.index, "choice": c,
+                    calls.writelines(json.dumps({
+                            "pid": pid, "rollout": self.rollouts, "kind": kind, "step": step, "row": run.episode.row,
+                            "call": call.index, "choice": c,
                             "endpoint": call.endpoint, "prompt_ids": call.prompt_ids, "ids": choice["ids"],
                             "log_probs": choice["log_probs"], "finish_reason": choice["finish_reason"],
-                            "policy_version": call.policy_version, "extends": call.extends}) + "\n")
+                            "policy_version": call.policy_version, "extends": call.extends}) + "\n" for c, choice in enumerate(call.choices))
         responses, mask = out.batch["responses"], out.batch["response_mask"]
         prompts, prompt_mask = out.batch["prompts"], out.batch["attention_mask"][:, : out.batch["prompts"].size(1)]
         with open(os.path.join(folder, f"episodes-{pid}.jsonl"), "a") as episodes:
             for i, run in enumerate(runs):
                 episodes.write(json.dumps({
-                    "kind": kind, "step": step, "row": run.episode.row, "calls": len(run.episode.calls),
+                    "pid": pid, "rollout": self.rollouts, "kind": kind, "step": step, "row": run.episode.row,
+                    "calls": len(run.episode.calls),
                     "chain": [[c.index, choice] for c, choice in self.chain(run.episode)], "failed": run.failed,
                     "refused": dict(run.episode.refused), "answer": None if run.failed else run.answer,
                     "reward": run.reward, "seconds": round(run.seconds, 3), "pids": run.pids,

@@ -4,7 +4,6 @@ template's append-only property, and the dataset row's messages recovered from i
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 SENTINEL = "\u2063ROW\u2063"
 

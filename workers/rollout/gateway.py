@@ -31,7 +31,13 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from rlframe.workers.rollout.gateway_chat import ChatEncoder, RequestError, normalized, request_tools, same_assistant
+from rlframe.workers.rollout.gateway_chat import (
+    ChatEncoder,
+    RequestError,
+    normalized,
+    request_tools,
+    same_assistant,
+)
 from rlframe.workers.rollout.gateway_engines import CallParams, Sampled
 
 MAX_N = 16

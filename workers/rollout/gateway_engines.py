@@ -117,7 +117,7 @@ class HFRequests:
         if not self.waiting:
             return []
         first = self.waiting[0][2]
-        same = lambda p: (p.max_new_tokens, p.temperature, p.top_p, p.top_k) == (  # noqa: E731
+        same = lambda p: (p.max_new_tokens, p.temperature, p.top_p, p.top_k) == (
             first.max_new_tokens, first.temperature, first.top_p, first.top_k)
         group = [w for w in self.waiting if same(w[2])]
         self.waiting = [w for w in self.waiting if not same(w[2])]
