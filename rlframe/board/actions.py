@@ -122,7 +122,7 @@ class Board:
             return {**empty, "status": f"no run folder {run_dir}"}
         steps = runs_mod.read_steps(run_dir)
         return {"progress": runs_mod.progress(run_dir, steps).line(),
-                "status": runs_mod.status(run_dir, self.launcher.exit_code(run_dir)),
+                "status": runs_mod.status(run_dir, self.launcher.exit_code(run_dir), self.launcher.alive(run_dir)),
                 "plots": {t: runs_mod.curve_frame(steps, t) for t, _ in runs_mod.CURVES},
                 "table": runs_mod.metric_table(steps), "samples": runs_mod.samples_frame(run_dir),
                 "log": runs_mod.log_tail(self.launcher.log_of(run_dir))}

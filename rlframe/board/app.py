@@ -28,15 +28,43 @@ def paths(text: str) -> list[str]:
     return [p.strip() for p in (text or "").replace(",", "\n").splitlines() if p.strip()]
 
 
+def typed(text):
+    """A main-key box's text -> int, float, or the text itself (the schema then names what it takes); None when
+    empty (the recipe's value stands)."""
+    text = "" if text is None else str(text).strip()
+    if not text:
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def recipe_values(recipe: str) -> dict[str, str]:
+    """The recipe's value of each main key (shown as the boxes' placeholders)."""
+    from rlframe.board.forms import flatten
+    from rlframe.board.preview import PREVIEW_LOCK, compose
+
+    try:
+        with PREVIEW_LOCK:
+            cfg, _ = compose([f"recipe={recipe}"])
+    except BaseException:  # an unknown recipe: the preview names it
+        return {}
+    from rlframe.board.preview import composed_dict
+
+    values = flatten(composed_dict(cfg))
+    return {name: f"recipe: {values.get(key)}" for name, key in forms.MAIN_KEYS.items()}
+
+
 def form_of(values) -> forms.TrainForm:
     """The page's form values (FORM_FIELDS order) -> TrainForm."""
     data = dict(zip(FORM_FIELDS, values))
     data["train_files"], data["val_files"] = paths(data["train_files"]), paths(data["val_files"])
     data["reward_path"] = "" if data["reward_path"] in (None, RECIPE_REWARD) else data["reward_path"]
     for key in forms.MAIN_KEYS:
-        value = data[key]
-        data[key] = None if value in (None, "") else (int(value) if float(value).is_integer() and key not in
-                                                      ("lr", "temperature", "kl_loss_coef") else float(value))
+        data[key] = typed(data[key])
     for key in ("prompt_key", "answer_key", "image_key", "model_path", "reward_name", "extra_yaml"):
         data[key] = data[key] or ""
     return forms.TrainForm.from_dict(data)
@@ -99,8 +127,10 @@ def train_tab(board: Board, L: Labels) -> dict:
         c["try_table"] = L.track(gr.Dataframe(label=L("try_table"), interactive=False, elem_id="try_table"), "try_table")
     with L.track(gr.Accordion(L("settings_main"), open=True), "settings_main"):
         with gr.Row():
+            shown = recipe_values("grpo_math")
             for name, key in forms.MAIN_KEYS.items():
-                c[name] = L.track(gr.Number(label=L(name), info=key_help(key), elem_id=name, min_width=180), name)
+                c[name] = L.track(gr.Textbox(label=L(name), info=key_help(key), elem_id=name, min_width=180,
+                                             placeholder=shown.get(name, "")), name)
     with L.track(gr.Accordion(L("yaml"), open=False, elem_id="yaml_box"), "yaml"):
         c["show_yaml"] = L.track(gr.Button(L("show_yaml"), size="sm"), "show_yaml", "value")
         c["extra_yaml"] = gr.Textbox(lines=12, max_lines=40, show_label=False, elem_id="yaml",
@@ -140,7 +170,7 @@ def wire_train(board: Board, c: dict, watch_run) -> None:
         preview, run_name, message = board.launch(form_of(values), run_name)
         names = board.run_names()
         return (*preview_outputs(preview), run_name, message,
-                gr.update(choices=names, value=run_name if preview.ok else None))
+                gr.update(choices=names, value=run_name) if preview.ok else gr.update(choices=names))
 
     def on_data(file):
         if file is None:
@@ -197,15 +227,24 @@ def wire_train(board: Board, c: dict, watch_run) -> None:
         except BoardError as err:
             return [error_text(err), *[gr.update() for _ in FORM_FIELDS]]
 
+    def on_recipe(recipe):
+        shown = recipe_values(recipe or "")
+        return [gr.update(placeholder=shown.get(name, "")) for name in forms.MAIN_KEYS]
+
     c["stage"].change(on_stage, c["stage"], c["recipe"])
+    c["recipe"].change(on_recipe, c["recipe"], [c[name] for name in forms.MAIN_KEYS])
     c["preview"].click(on_preview, [c["run_name"], *form_inputs], [c["validation"], c["plan"], c["command"], c["run_name"]])
     c["launch"].click(on_launch, [c["run_name"], *form_inputs],
                       [c["validation"], c["plan"], c["command"], c["run_name"], c["launch_message"], watch_run])
-    c["train_upload"].upload(on_data, c["train_upload"], [c["train_files"], c["data_message"], c["data_rows"],
-                                                          c["prompt_key"], c["answer_key"], c["image_key"],
-                                                          c["data_source"]])
-    c["val_upload"].upload(on_val, c["val_upload"], [c["val_files"], c["data_message"]])
-    c["reward_upload"].upload(on_reward, c["reward_upload"], [c["reward_path"], c["reward_name"], c["reward_message"]])
+    def cleared(handler):  # the file box is emptied after each upload (the kept copy is in the workspace)
+        return lambda file: (*handler(file), None)
+
+    c["train_upload"].upload(cleared(on_data), c["train_upload"],
+                             [c["train_files"], c["data_message"], c["data_rows"], c["prompt_key"], c["answer_key"],
+                              c["image_key"], c["data_source"], c["train_upload"]])
+    c["val_upload"].upload(cleared(on_val), c["val_upload"], [c["val_files"], c["data_message"], c["val_upload"]])
+    c["reward_upload"].upload(cleared(on_reward), c["reward_upload"],
+                              [c["reward_path"], c["reward_name"], c["reward_message"], c["reward_upload"]])
     c["try_button"].click(on_try, form_inputs, [c["try_table"], c["reward_message"]])
     c["show_yaml"].click(on_yaml, [c["run_name"], *form_inputs], c["extra_yaml"])
     c["save_settings"].click(on_save, [c["settings_name"], *form_inputs], [c["launch_message"], c["saved"]])
@@ -248,6 +287,8 @@ def wire_watch(board: Board, c: dict) -> None:
     def guarded(action):
         def handler(run_name):
             try:
+                if not run_name:
+                    raise BoardError("pick a run first")
                 return action(run_name)
             except BoardError as err:
                 return error_text(err)

@@ -73,6 +73,10 @@ class Launcher:
         """{run folder: exit status} of the processes this board started (None while running)."""
         return {run_dir: proc.poll() for run_dir, proc in self.procs.items()}
 
+    def alive(self, run_dir: str | Path) -> bool:
+        proc = self.procs.get(str(Path(run_dir).resolve()))
+        return proc is not None and proc.poll() is None
+
     def exit_code(self, run_dir: str | Path) -> int | None:
         proc = self.procs.get(str(Path(run_dir).resolve()))
         return None if proc is None else proc.poll()

@@ -110,12 +110,14 @@ def progress(run_dir: Path, steps: dict[int, dict[str, float]] | None = None) ->
     return Progress(step, total, eta, phases)
 
 
-def status(run_dir: Path, exit_code: int | None = None) -> str:
-    """running | finished | stopped (a signal; resumable) | failed (exit N) | ended without releasing (killed)
-    | not started. `exit_code` is what the board saw of its own process, when it launched the run."""
+def status(run_dir: Path, exit_code: int | None = None, alive: bool = False) -> str:
+    """running | shutting down | finished | stopped (a signal; resumable) | failed (exit N) | killed or crashed
+    | not started. `exit_code` and `alive`: what the board sees of its own process, when it launched the run."""
     run_dir = Path(run_dir)
     if run_dir_problem(run_dir):
         return "running"
+    if alive:
+        return "shutting down (the folder is released; the process is ending)"
     if (run_dir / "summary.json").exists():
         return "finished"
     if exit_code in (130, 143):
@@ -145,7 +147,9 @@ def list_runs(root: Path, exit_codes: dict[str, int | None] | None = None) -> pd
             started = json.loads((run_dir / "owner.json").read_text()).get("started", "")
         except (OSError, ValueError):
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(run_dir.stat().st_mtime))
-        rows.append({"run": run_dir.name, "status": status(run_dir, exit_codes.get(str(run_dir.resolve()))),
+        key = str(run_dir.resolve())
+        rows.append({"run": run_dir.name, "status": status(run_dir, exit_codes.get(key),
+                                                           key in exit_codes and exit_codes[key] is None),
                      "step": f"{p.step}/{p.total or '?'}",
                      "reward": round(trained[-1].get("critic/score/mean", float("nan")), 4) if trained else None,
                      "val accuracy": " -> ".join(f"{v:.3f}" for v in (vals[:1] + vals[1:][-1:])) if vals else "",
