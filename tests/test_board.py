@@ -132,14 +132,14 @@ def test_lock_check_is_read_only(tmp_path):
 
 # ------------------------------------------------------------------ the page in a browser
 
-SLOW_REWARD = '''"""A length reward that takes 1 s per model sample (not for the board's "try it" answers), so that a
+SLOW_REWARD = '''"""A length reward that takes 0.5 s per model sample (not for the board's "try it" answers), so that a
 training step lasts long enough to be stopped inside it."""
 import time
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if "answer" not in solution_str and "####" not in solution_str:
-        time.sleep(1.0)
+        time.sleep(0.5)
     return {"score": (len(solution_str) % 7) / 7.0}
 '''
 RAISING_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError('boom')\n"
@@ -316,7 +316,8 @@ def test_board_in_a_browser(browser, tmp_path, tiny_model_dir, monkeypatch):
         page.wait_for_function(f"document.querySelector('#chatbot').innerText.includes({json.dumps(expected[:20])})")
 
         # Chinese labels
-        set_value(page, "#language", "zh")
+        page.click("#language input")
+        page.get_by_role("option", name="zh").click()
         page.get_by_role("tab", name="训练").wait_for(timeout=10000)
     except BaseException:
         page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)

@@ -127,6 +127,15 @@ class Board:
                 "table": runs_mod.metric_table(steps), "samples": runs_mod.samples_frame(run_dir),
                 "log": runs_mod.log_tail(self.launcher.log_of(run_dir))}
 
+    def watch_stamp(self, run_name: str) -> tuple | None:
+        """What changes when a run moves on (its files' sizes and times, its status); None: no such run."""
+        if not run_name or not self.run_dir(run_name).is_dir():
+            return None
+        run_dir = self.run_dir(run_name)
+        files = [run_dir / "metrics.jsonl", run_dir / "validation_samples.jsonl", self.launcher.log_of(run_dir)]
+        sizes = tuple((f.stat().st_size, f.stat().st_mtime_ns) if f is not None and f.exists() else None for f in files)
+        return sizes + (runs_mod.status(run_dir, self.launcher.exit_code(run_dir), self.launcher.alive(run_dir)),)
+
     def stop(self, run_name: str) -> str:
         return self.launcher.stop(self.run_dir(run_name))
 

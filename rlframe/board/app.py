@@ -280,7 +280,14 @@ def watch_tab(board: Board, L: Labels) -> dict:
 def wire_watch(board: Board, c: dict) -> None:
     outputs = [c["progress"], c["status"], *c["plots"].values(), c["table"], c["samples"], c["log"]]
 
-    def on_watch(run_name):
+    seen: dict[str, tuple] = {}  # per browser tab's run: what it was last sent, to skip a redraw when nothing moved
+
+    def on_watch(run_name, request: gr.Request):
+        key = f"{getattr(request, 'session_hash', '')}:{run_name}"
+        stamp = board.watch_stamp(run_name)
+        if stamp is not None and seen.get(key) == stamp:
+            return tuple(gr.skip() for _ in outputs)
+        seen[key] = stamp
         view = board.watch(run_name)
         return (view["progress"], view["status"], *view["plots"].values(), view["table"], view["samples"], view["log"])
 
