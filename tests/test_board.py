@@ -109,6 +109,31 @@ def test_uploads_are_checked_and_kept_in_the_workspace(tmp_path):
                                                         ["question", "reward_model", "reward_model.ground_truth"])
 
 
+def test_eval_and_export_arguments_and_run_status(tmp_path):
+    from rlframe.board.runs import status
+    from rlframe.board.tools import eval_args, export_args
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer: {total_steps: 2}\n")
+    (run / "owner.json").write_text(json.dumps({"pid": 1, "host": "h", "started": "t", "command": "c", "ended": None}))
+    assert eval_args(str(run), 4, "1, 4", 1.0, max_samples=8) == [f"run={run}", "n=4", "temperature=1.0", "k=1,4",
+                                                                  "max_samples=8"]
+    assert eval_args("/m", 1, "", 0.0, "d.jsonl", "r.py") == ["model=/m", "n=1", "temperature=0.0", "data=d.jsonl",
+                                                             "reward=r.py"]
+    with pytest.raises(BoardError, match="needs the data and the reward"):
+        eval_args("/m", 1, "1", 0.0)
+    with pytest.raises(BoardError, match="comma-separated whole numbers"):
+        eval_args(str(run), 1, "1;rm", 0.0)
+    assert export_args(str(run), tmp_path / "out", merge=True) == [str(run), str(tmp_path / "out"), "--merge"]
+    # what the folder says, and what the board saw of its own process
+    assert status(run) == "killed or crashed"  # owner.json never marked ended, the lock free
+    assert status(run, exit_code=143) == "stopped" and status(run, exit_code=1) == "failed (exit 1)"
+    assert status(run, alive=True).startswith("shutting down")
+    (run / "summary.json").write_text("{}")
+    assert status(run) == "finished" and status(tmp_path / "empty") == "not started"
+
+
 def test_lock_check_is_read_only(tmp_path):
     from rlframe.board.preview import run_dir_problem
     from rlframe.trainer.run_dir import RunDirLock
@@ -236,7 +261,9 @@ def test_board_in_a_browser(browser, tmp_path, tiny_model_dir, monkeypatch):
         upload(page, "#train_upload", tmp_path / "no_prompt.jsonl")
         wait_text(page, "#data_message", "error: no_prompt.jsonl: no column holds text prompts (columns: x, y)")
         assert text_of(page, "#train_files") == ""
-        assert sorted(p.name for p in (ws / "uploads").iterdir()) == ["raises.py"]  # only what passed its checks
+        assert sorted(p.name for p in (ws / "uploads").iterdir() if p.is_file()) == ["raises.py"]  # what passed its checks
+        # gradio's own upload copies arrive in the workspace and are deleted once handled
+        assert (ws / "uploads" / ".incoming").is_dir() and not [p for p in (ws / "uploads" / ".incoming").rglob("*") if p.is_file()]
 
         # bad input 4: an invalid setting: the named error, and nothing starts
         upload(page, "#reward_upload", tmp_path / "slow.py")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,11 +23,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def serve(args: argparse.Namespace, block: bool = True):
     """Build the page and start serving; returns gradio's (app, local url, share url) when not blocking."""
+    auth, start_line = bind_rules(args.host, args.auth)
+    workspace = Path(args.workspace).resolve()
+    # gradio's own copies of uploaded files (before the board checks and keeps them) stay in the workspace too
+    os.environ["GRADIO_TEMP_DIR"] = str(workspace / "uploads" / ".incoming")
     from rlframe.board.actions import Board
     from rlframe.board.app import CSS, build_app
 
-    auth, start_line = bind_rules(args.host, args.auth)
-    board = Board(Path(args.workspace))
+    board = Board(workspace)
     app = build_app(board, args.lang)
     print(start_line.format(port=args.port) + f"; workspace {board.workspace}", flush=True)
     app.queue(default_concurrency_limit=4)

@@ -81,17 +81,32 @@ class Board:
             raise BoardError(preview.error)
         return yaml.safe_dump(preview.composed, sort_keys=False, allow_unicode=True)
 
+    def forget_incoming(self, path: str) -> None:
+        """Delete gradio's own copy of an upload (in <workspace>/uploads/.incoming/) once it is handled."""
+        incoming = (self.workspace / "uploads" / ".incoming").resolve()
+        path = Path(path).resolve()
+        if incoming in path.parents:
+            path.unlink(missing_ok=True)
+            if path.parent != incoming and not any(path.parent.iterdir()):
+                path.parent.rmdir()
+
     def upload_data(self, path: str):
         """Keep an uploaded data file in the workspace and read its first rows; BoardError when unusable."""
-        kept = keep_upload(path, self.workspace, "data")
         try:
-            return kept, inspect_data(kept)
-        except BoardError:
-            kept.unlink()  # an unusable file is not kept
-            raise
+            kept = keep_upload(path, self.workspace, "data")
+            try:
+                return kept, inspect_data(kept)
+            except BoardError:
+                kept.unlink()  # an unusable file is not kept
+                raise
+        finally:
+            self.forget_incoming(path)
 
     def upload_reward(self, path: str) -> tuple[Path, list[str]]:
-        kept = keep_upload(path, self.workspace, "reward")
+        try:
+            kept = keep_upload(path, self.workspace, "reward")
+        finally:
+            self.forget_incoming(path)
         return kept, check_python(kept)
 
     def reward_choices(self) -> list[str]:

@@ -2,7 +2,8 @@
 
 - It binds 127.0.0.1 unless told otherwise; any other address needs `--auth user:password` (or a token,
   which is then the password of the user `rlframe`), and the start line says so (`bind_rules`).
-- Uploads are copied into `<workspace>/uploads/` under a cleaned name, checked for what they claim to be
+- Uploads arrive in `<workspace>/uploads/.incoming/` (gradio's upload folder, set by __main__) and are copied
+  into `<workspace>/uploads/` under a cleaned name, checked for what they claim to be
   (`keep_upload`): a reward must be Python that parses and defines a function, a data file one of the
   formats the loader reads. Nothing is run from anywhere else.
 - It runs only rlframe's own entry points (ENTRY_POINTS), as an argument list (no shell), each argument a
