@@ -243,7 +243,7 @@ def test_faults_counted_and_named_step_completes_nothing_leaks(engine, tiny_mode
     agents.write_text(FAULT_AGENTS)
     monkeypatch.setenv("GATEWAY_TEST_OUT", str(tmp_path))
     runner = episodes_runner(engine, tiny_model_dir, tmp_path / "record", path=str(agents), name="agent",
-                             episode_timeout_s=6.0, max_concurrent_episodes=5)
+                             episode_timeout_s=4.0, max_concurrent_episodes=5)
     start = time.monotonic()
     out = runner.run(prompt_batch(engine[1], 5, engine[3]), SamplingSettings(max_new_tokens=32), {"step": 1})
     assert time.monotonic() - start < 30  # the hung agent cost its deadline, not the step
@@ -273,6 +273,7 @@ def test_faults_counted_and_named_step_completes_nothing_leaks(engine, tiny_mode
         time.sleep(0.1)
     assert not [p for p in pids if pid_alive(p)]
     assert not any(Path(run.folder).exists() for run in runner.last_runs)
+    assert runner.forks.process.poll() is not None  # the rollout's fork server ended with it
 
 
 def test_command_agent_example_unchanged(engine, tiny_model_dir, tmp_path):

@@ -168,6 +168,11 @@ class Gateway:
                 pending = self.queue.get_nowait()
             except queue.Empty:
                 pending = None
+        ended = [key for key, (pending, _) in self.in_engine.items() if not pending.episode.open]
+        if ended:  # an ended (killed, crashed) episode's completions are not generated further
+            engine.abort(ended)
+            for key in ended:
+                self.in_engine.pop(key)[0].done.set()
         if not engine.busy:
             return 0
         delivered = 0

@@ -90,6 +90,15 @@ class VLLMRequests:
             finished.append(Sampled(self.keys.pop(out.request_id), ids, log_probs, reason, stop_hit))
         return finished
 
+    def abort(self, keys: list) -> None:
+        """Drop these requests (an ended episode's) from the running batch."""
+        wanted = set(keys)
+        ids = [request_id for request_id, key in self.keys.items() if key in wanted]
+        if ids:
+            self.engine.abort_request(ids)
+            for request_id in ids:
+                del self.keys[request_id]
+
     def abort_all(self) -> None:
         if self.keys:
             self.engine.abort_request(list(self.keys))
@@ -146,6 +155,10 @@ class HFRequests:
                 if stop in text:
                     return k, stop
         return len(ids), None
+
+    def abort(self, keys: list) -> None:
+        wanted = set(keys)
+        self.waiting = [w for w in self.waiting if w[0] not in wanted]
 
     def abort_all(self) -> None:
         self.waiting.clear()
