@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN_OVERRIDES
 
 from rlframe.board import forms
 from rlframe.board.security import BoardError, bind_rules, checked_argv, keep_upload

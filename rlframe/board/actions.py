@@ -18,7 +18,14 @@ from rlframe.board.forms import TrainForm, form_overrides, train_args
 from rlframe.board.launcher import Launcher
 from rlframe.board.preview import Preview, run_preview
 from rlframe.board.security import BoardError, check_python, clean_name, keep_upload
-from rlframe.board.tools import ChatModel, error_lines, eval_args, eval_table, export_args, run_tool
+from rlframe.board.tools import (
+    ChatModel,
+    error_lines,
+    eval_args,
+    eval_table,
+    export_args,
+    run_tool,
+)
 
 RECIPE_REWARD = "(the recipe's own)"
 

@@ -46,11 +46,12 @@ def recipe_values(recipe: str) -> dict[str, str]:
     """The recipe's value of each main key (shown as the boxes' placeholders)."""
     from rlframe.board.forms import flatten
     from rlframe.board.preview import PREVIEW_LOCK, compose
+    from rlframe.main import usage_errors
 
     try:
         with PREVIEW_LOCK:
             cfg, _ = compose([f"recipe={recipe}"])
-    except BaseException:  # an unknown recipe: the preview names it
+    except (SystemExit, *usage_errors()):  # an unknown or broken recipe: the preview names it
         return {}
     from rlframe.board.preview import composed_dict
 
@@ -125,12 +126,11 @@ def train_tab(board: Board, L: Labels) -> dict:
         c["reward_message"] = gr.Textbox(show_label=False, elem_id="reward_message", interactive=False)
         c["try_button"] = L.track(gr.Button(L("try_reward"), elem_id="try_reward"), "try_reward", "value")
         c["try_table"] = L.track(gr.Dataframe(label=L("try_table"), interactive=False, elem_id="try_table"), "try_table")
-    with L.track(gr.Accordion(L("settings_main"), open=True), "settings_main"):
-        with gr.Row():
-            shown = recipe_values("grpo_math")
-            for name, key in forms.MAIN_KEYS.items():
-                c[name] = L.track(gr.Textbox(label=L(name), info=key_help(key), elem_id=name, min_width=180,
-                                             placeholder=shown.get(name, "")), name)
+    shown = recipe_values("grpo_math")
+    with L.track(gr.Accordion(L("settings_main"), open=True), "settings_main"), gr.Row():
+        for name, key in forms.MAIN_KEYS.items():
+            c[name] = L.track(gr.Textbox(label=L(name), info=key_help(key), elem_id=name, min_width=180,
+                                         placeholder=shown.get(name, "")), name)
     with L.track(gr.Accordion(L("yaml"), open=False, elem_id="yaml_box"), "yaml"):
         c["show_yaml"] = L.track(gr.Button(L("show_yaml"), size="sm"), "show_yaml", "value")
         c["extra_yaml"] = gr.Textbox(lines=12, max_lines=40, show_label=False, elem_id="yaml",

@@ -69,7 +69,7 @@ class TrainForm:
     extra_yaml: str = ""  # the editable configuration (see yaml_overrides)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TrainForm":
+    def from_dict(cls, data: dict) -> TrainForm:
         """From saved settings: unknown keys are ignored, missing ones take the defaults."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -97,11 +97,10 @@ class Launcher:
         with open(log, "ab") as out:
             out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {command_line(args, entry)}\n".encode())
             out.flush()
-            # SIGINT at its default (a board started in the background would hand it on ignored, and the
-            # driver keeps an ignored signal ignored); its own session: it outlives the board
+            # its own session: it outlives the board, and a Ctrl-C in the board's terminal does not reach it
+            # (the board stops it with SIGTERM)
             return subprocess.Popen(argv, cwd=cwd or Path.cwd(), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
 
     def launch(self, args: list[str], run_dir: str | Path) -> Launched:
         """`python -m rlframe.main ARGS` into run_dir; BoardError when another run holds the folder."""

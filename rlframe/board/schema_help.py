@@ -32,7 +32,7 @@ def field_owner(key: str) -> tuple[Any, str] | None:
     return cls, parts[-1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def comments_of(cls: type) -> dict[str, str]:
     """{field name: its comment text} from the class body's source."""
     try:
@@ -56,7 +56,7 @@ def comments_of(cls: type) -> dict[str, str]:
 
 def key_help(key: str) -> str:
     """`key (type, default X): the schema's comment`, or just the key when it has none."""
-    from rlframe.main import type_in_words, field_type
+    from rlframe.main import field_type, type_in_words
 
     owner = field_owner(key)
     if owner is None:

@@ -111,7 +111,7 @@ class ChatModel:
         messages.append({"role": "user", "content": message})
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                  return_dict=True)
-        sampling = dict(do_sample=True, temperature=float(temperature)) if temperature > 0 else dict(do_sample=False)
+        sampling = {"do_sample": True, "temperature": float(temperature)} if temperature > 0 else {"do_sample": False}
         with self.lock, torch.no_grad():
             out = self.model.generate(**ids, max_new_tokens=int(max_new_tokens),
                                       pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
