@@ -309,13 +309,8 @@ class PreparedRun:
 
 def prepare_run(cfg: RLConfig) -> PreparedRun:
     """Everything that can be known before Ray starts, after validate_config: the run directory's lock and where
-    the run starts (checkpoints, resume), the model folder's checks and the memory plan, the tokenizer, and the
-    data (every row read, checked, templated and counted, as the stage's driver will: rlframe/preflight.py).
-    Starts no Ray and no worker; bad input raises one of usage_errors() (or UsageError)."""
-    from transformers import AutoTokenizer
-
-    from rlframe.models.provision import resolve_model_path
-    from rlframe.preflight import check_run_data
+    the run starts (checkpoints, resume), then check_before_ray. Starts no Ray and no worker; bad input raises one
+    of usage_errors() (or UsageError)."""
     from rlframe.trainer.run_dir import RunDirError, claim_run_dir
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -329,6 +324,19 @@ def prepare_run(cfg: RLConfig) -> PreparedRun:
     route_driver_logs(run_dir, cfg.trainer.verbose)  # library chatter to <run_dir>/logs/driver.log (after the claim)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     print(f"run directory: {run_dir}", flush=True)
+    return check_before_ray(cfg, run_dir)
+
+
+def check_before_ray(cfg: RLConfig, run_dir: Path) -> PreparedRun:
+    """prepare_run's checks once the run directory is claimed (the board's preview calls it on a scratch folder):
+    the model folder's checks and the memory plan (printed), the tokenizer, and the data (every row read, checked,
+    templated and counted, as the stage's driver will: rlframe/preflight.py; generated data sets written under
+    `run_dir`). Bad input raises one of usage_errors() (or UsageError)."""
+    from transformers import AutoTokenizer
+
+    from rlframe.models.provision import resolve_model_path
+    from rlframe.preflight import check_run_data
+
     model_path = resolve_model_path(cfg.model.path)
     validate_before_workers(cfg, model_path)  # the checks that read the model folder, then the memory plan
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
