@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TINY_RUN_OVERRIDES
 
 from rlframe.board import forms
 from rlframe.board.security import BoardError, bind_rules, checked_argv, keep_upload
@@ -167,17 +168,25 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": (len(solution_str) % 7) / 7.0}
 '''
 RAISING_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError('boom')\n"
-# TINY_RUN_OVERRIDES as YAML for the editor, with the HF engine, a checkpoint each step, no validation before
-TINY_YAML = """data:
-  arithmetic: {n_train: 64, n_val: 8}
-  val_max_samples: 8
-  max_prompt_length: 256
-  max_response_length: 16
-  train_batch_size: 4
-actor: {ppo_mini_batch_size: 4, ppo_micro_batch_size_per_device: 4}
-rollout: {n: 2, engine: hf}
-trainer: {num_cpus: 4, val_before_train: false}
-"""
+def tiny_yaml(overrides: list[str]) -> str:
+    """conftest's TINY_RUN_OVERRIDES (but the steps, which the form sets) as the YAML editor's text."""
+    import yaml
+
+    tree: dict = {}
+    for arg in overrides:
+        key, value = arg.split("=", 1)
+        if key == "trainer.total_steps":
+            continue
+        *path, leaf = key.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return yaml.safe_dump(tree)
+
+
+# the tiny run's sizes, the HF engine, no validation before the first step (so a stop lands in step 1)
+TINY_YAML = tiny_yaml([*TINY_RUN_OVERRIDES, "rollout.engine=hf", "trainer.val_before_train=false"])
 
 
 def free_port() -> int:

@@ -197,11 +197,27 @@ class Board:
         out = self.workspace / "exports" / name
         if out.exists() and any(out.iterdir()):
             raise BoardError(f"{out} exists already (an earlier export is not overwritten). Fix: another export name")
+        run = Path(source)
+        if (run / "owner.json").is_file() and not (run / "checkpoints").is_dir():
+            return self.copy_final_model(run, out)
         code, output = run_tool(self.launcher, "rlframe.export", export_args(source, out, merge),
                                 self.workspace / "logs" / "export.log")
         if code != 0:
             raise BoardError(error_lines(output) or output[-3000:])
         return f"exported to {out}"
+
+    def copy_final_model(self, run: Path, out: Path) -> str:
+        """A run that saved no checkpoint (trainer.save_every=0, the recipes' default) exported its final actor
+        as <run>/hf_model (trainer.export_hf): that folder is the export."""
+        import shutil
+
+        if not (run / "hf_model" / "config.json").is_file():
+            raise BoardError(f"{run.name} saved no checkpoint (trainer.save_every=0) and has no hf_model yet (it is "
+                             "written when the run finishes). Fix: wait for the run to finish, or launch with "
+                             "trainer.save_every > 0")
+        shutil.copytree(run / "hf_model", out, dirs_exist_ok=True)
+        return (f"exported to {out} (a copy of {run / 'hf_model'}, the final model: the run saved no "
+                "checkpoint, trainer.save_every=0)")
 
     def chat_choices(self) -> list[str]:
         exports = [str(p) for p in sorted((self.workspace / "exports").iterdir()) if (p / "config.json").is_file()]

@@ -50,7 +50,13 @@ def curve_frame(steps: dict[int, dict[str, float]], title: str, run: str = "") -
     lines = dict(CURVES)[title]
     rows = [{"step": step, "value": m[key], "series": f"{run} {label}".strip()}
             for key, label in lines for step, m in steps.items() if key in m and math.isfinite(m[key])]
-    return pd.DataFrame(rows, columns=["step", "value", "series"])
+    return points(rows)
+
+
+def points(rows: list[dict]) -> pd.DataFrame:
+    """Numeric step and value columns even when empty (the plot takes an empty object column as categories)."""
+    return pd.DataFrame(rows, columns=["step", "value", "series"]).astype({"step": "int64", "value": "float64",
+                                                                           "series": "str"})
 
 
 def compare_frame(run_dirs: list[Path], key: str) -> pd.DataFrame:
@@ -60,7 +66,7 @@ def compare_frame(run_dirs: list[Path], key: str) -> pd.DataFrame:
         for step, m in read_steps(run_dir).items():
             if key in m and math.isfinite(m[key]):
                 rows.append({"step": step, "value": m[key], "series": Path(run_dir).name})
-    return pd.DataFrame(rows, columns=["step", "value", "series"])
+    return points(rows)
 
 
 def metric_table(steps: dict[int, dict[str, float]], last: int = 8) -> pd.DataFrame:
