@@ -6,6 +6,11 @@ from __future__ import annotations
 import ast
 
 SENTINEL = "\u2063ROW\u2063"
+# an agent's conversation: question, a call, its result, the answer (as rlframe/doctor/template_checks.py checks)
+TOOL_CONVERSATION = [{"role": "user", "content": "What is 12 + 7? Put the answer in \\boxed{}."},
+                     {"role": "assistant", "content": "Let me compute 12 + 7."},
+                     {"role": "tool", "content": "19"},
+                     {"role": "assistant", "content": "12 + 7 = 19. \\boxed{19}"}]
 
 
 def agent_function_problem(path: str, name: str) -> str | None:
@@ -31,12 +36,10 @@ def template_rewrites(model_dir: str, trust_remote_code: bool = False) -> str | 
     shorter one's rendering as its prefix), or None."""
     from transformers import AutoTokenizer
 
-    from rlframe.doctor.template_checks import conversation
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         return f"{model_dir} has no chat template"
-    messages = conversation("tool")
+    messages = TOOL_CONVERSATION
     try:
         texts = [tokenizer.apply_chat_template(messages[:k], tokenize=False) for k in range(1, len(messages) + 1)]
     except Exception as error:  # a template without a tool role, etc.
