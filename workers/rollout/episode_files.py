@@ -19,7 +19,7 @@ def agent_function_problem(path: str, name: str) -> str | None:
 
     file = resolve_tool_path(path)  # as given, else inside the checkout / package (as tool files are found)
     if not file.is_file():
-        return f"file not found: {path}. Point rollout.agent_program.path at the Python file that defines {name}(row)"
+        return f"file not found: {path}. Fix: rollout.agent_program.path=<the Python file that defines {name}(row)>"
     try:
         tree = ast.parse(file.read_text(), filename=str(file))
     except SyntaxError as error:
