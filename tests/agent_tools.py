@@ -91,3 +91,92 @@ class SlowWhenToldEnv:
         if self.slow:
             time.sleep(1.0)
         return (None, 1.0, True) if self.turns >= 3 else ("again", 0.0, False)
+
+
+# ---------------------------------------------------------------- issue 30: typed tools, Gymnasium, non-blocking
+import threading  # noqa: E402
+
+import gymnasium  # noqa: E402
+from gymnasium import spaces  # noqa: E402
+
+ENGINE = None  # the test's engine double, for tools that count its steps
+CLOSED = []  # the Gymnasium envs closed so far (their options' ground truth)
+FAST_STEPPED = threading.Event()  # set by a GymStartEnv step on the row "fast"
+
+
+def wait_for_steps(text: str) -> str:
+    """Wait until the engine has made 20 more steps than when the call started (a tool that is slow in engine steps).
+
+    Args:
+        text: ignored
+    """
+    start = ENGINE.steps
+    for _ in range(2000):
+        if ENGINE.steps >= start + 20:
+            return f"waited {ENGINE.steps - start} steps"
+        time.sleep(0.005)
+    raise TimeoutError("the engine made no progress while this tool ran")
+
+
+def mcp_every_other(text, tools):
+    """The tiny end-to-end run's parser: a turn of even length calls the MCP tool `add`; other turns call none
+    (the environment judges them), so a random-init model exercises both paths."""
+    return [ToolCall(name="add", arguments={"a": len(text), "b": 1})] if len(text) % 2 == 0 else []
+
+
+class GymTextEnv(gymnasium.Env):
+    """Text in, text out: reset shows the row's truth and the seed; "stop" terminates (reward 1); a step without it
+    gets feedback (reward 0.25); the second step without it truncates."""
+
+    def __init__(self):
+        self.observation_space, self.action_space = spaces.Text(max_length=256), spaces.Text(max_length=256)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.truth, self.steps = (options or {}).get("ground_truth"), 0
+        return f"start {self.truth} seed={seed}", {}
+
+    def step(self, action):
+        self.steps += 1
+        if "stop" in action:
+            return "bye", 1.0, True, False, {}
+        return f"more {self.steps}", 0.25, False, self.steps >= 2, {}
+
+    def close(self):
+        CLOSED.append(self.truth)
+
+
+class GymShapedEnv:
+    """The Gymnasium form without importing gymnasium (reset takes seed and options); ends at once."""
+
+    def reset(self, *, seed=None, options=None):
+        return "", {}
+
+    def step(self, action):
+        return "", 0.5, True, False, {}
+
+
+class GymBoxEnv(gymnasium.Env):
+    """Observations are arrays, not text."""
+
+    def reset(self, *, seed=None, options=None):
+        return [0.0, 1.0], {}
+
+    def step(self, action):
+        return [0.0], 0.0, True, False, {}
+
+
+class GymStartEnv(gymnasium.Env):
+    """The row "slow" resets only after the row "fast" has taken a step: serial resets (slow first) would wait
+    out the deadline instead."""
+
+    def reset(self, *, seed=None, options=None):
+        self.row = (options or {}).get("ground_truth")
+        if self.row == "slow" and not FAST_STEPPED.wait(10):
+            raise TimeoutError("reset ran before the fast trajectory could take a step")
+        return "", {}
+
+    def step(self, action):
+        if self.row == "fast":
+            FAST_STEPPED.set()
+        return "", 1.0, True, False, {}

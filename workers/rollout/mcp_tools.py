@@ -25,6 +25,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -72,6 +73,13 @@ def mcp_server_settings(server):
                              startup_timeout_s=float(server.startup_timeout_s))
 
 
+def describe(exc: BaseException) -> str:
+    """`Type: message` of an exception, of the first leaf of an exception group (anyio's task groups wrap them)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
 def result_text(result) -> str:
     """A CallToolResult as observation text: its text blocks joined, others named; else its structured content."""
     parts = []
@@ -102,21 +110,25 @@ class McpServer:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> list:
         """Connect (start the process), list every tool (mcp_types.Tool); raise ToolLoadError naming the server."""
+        if not self.spec.url and shutil.which(self.spec.command) is None:
+            raise ToolLoadError(f"MCP server '{self.label}': the command '{self.spec.command}' is not found (not on "
+                                "PATH, nor an executable file). Fix: install it, or give its full path")
         self.thread = threading.Thread(target=self._run_loop, daemon=True, name=f"mcp-{self.label}")
         self.thread.start()
         atexit.register(self.close)
         timeout = self.spec.startup_timeout_s
         if not self.ready.wait(timeout) or self.client is None:
-            why = (f"{type(self.failure).__name__}: {self.failure}" if self.failure is not None
-                   else f"no answer within {timeout:g} s (startup_timeout_s)")
+            why = describe(self.failure) if self.failure is not None else f"no answer within {timeout:g} s (startup_timeout_s)"
+            message = f"MCP server '{self.label}' ({self.where()}) did not start: {why}{self.stderr_tail()}"
             self.close()
-            raise ToolLoadError(f"MCP server '{self.label}' ({self.where()}) did not start: {why}{self.stderr_tail()}")
+            raise ToolLoadError(message)
         try:
             return self.submit(self._list_tools(), timeout)
         except Exception as exc:
+            message = (f"MCP server '{self.label}' ({self.where()}): listing its tools failed ({describe(exc)})"
+                       f"{self.stderr_tail()}")
             self.close()
-            raise ToolLoadError(f"MCP server '{self.label}' ({self.where()}): listing its tools failed "
-                                f"({type(exc).__name__}: {exc}){self.stderr_tail()}") from None
+            raise ToolLoadError(message) from None
 
     def _run_loop(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -182,12 +194,14 @@ class McpServer:
     def submit(self, coroutine, timeout: float):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
-    def call(self, name: str, arguments: dict, timeout_s: float) -> ToolResult:
-        """One `tools/call`; every failure is an observation (ToolResult.error set), never an exception. The
-        observation stays short (the model reads it); the server's stderr goes to the log, once per server."""
+    def call(self, name: str, arguments: dict, timeout_s: float, shown: str | None = None) -> ToolResult:
+        """One `tools/call` of the server's tool `name` (`shown`: the name the model knows it by, in messages);
+        every failure is an observation (ToolResult.error set), never an exception. The observation stays short
+        (the model reads it); the server's stderr goes to the log, once per server."""
+        shown = shown or name
         client = self.client
         if client is None:
-            why = f" ({type(self.failure).__name__}: {self.failure})" if self.failure is not None else ""
+            why = f" ({describe(self.failure)})" if self.failure is not None else ""
             self.warn(f"is not running{why}")
             return ToolResult(f"Error: the MCP server '{self.label}' is not running{why}", error="server")
         future = asyncio.run_coroutine_threadsafe(client.call_tool(name, arguments), self.loop)
@@ -195,10 +209,10 @@ class McpServer:
             result = future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()  # the SDK tells the server the request is cancelled
-            return ToolResult(f"Error: the tool '{name}' timed out after {timeout_s:g} s", error="timeout")
+            return ToolResult(f"Error: the tool '{shown}' timed out after {timeout_s:g} s", error="timeout")
         except Exception as exc:  # the connection broke, the server died, a protocol error
-            self.warn(f"failed on '{name}' ({type(exc).__name__}: {exc})")
-            return ToolResult(f"Error: the MCP server '{self.label}' failed on '{name}' ({type(exc).__name__}: {exc})",
+            self.warn(f"failed on '{name}' ({describe(exc)})")
+            return ToolResult(f"Error: the MCP server '{self.label}' failed on '{shown}' ({describe(exc)})",
                               error="server")
         text = result_text(result)
         return ToolResult(f"Error: {text}", error="exception") if result.is_error else ToolResult(text)
@@ -228,11 +242,11 @@ class McpServer:
 class McpToolFunction:
     """The function of an MCP tool: keyword arguments in, a ToolResult out (ToolCallRun runs it in a thread)."""
 
-    def __init__(self, server: McpServer, name: str, timeout_s: float):
-        self.server, self.name, self.timeout_s = server, name, timeout_s
+    def __init__(self, server: McpServer, name: str, shown: str, timeout_s: float):
+        self.server, self.name, self.shown, self.timeout_s = server, name, shown, timeout_s
 
     def __call__(self, **arguments) -> ToolResult:
-        return self.server.call(self.name, arguments, self.timeout_s)
+        return self.server.call(self.name, arguments, self.timeout_s, self.shown)
 
 
 def server_tools(server: McpServer, listed: list, timeout_s: float) -> dict[str, Tool]:
@@ -250,7 +264,7 @@ def server_tools(server: McpServer, listed: list, timeout_s: float) -> dict[str,
         schema = {"type": "function", "function": {"name": name, "description": listed_tool.description or "",
                                                    "parameters": listed_tool.input_schema}}
         check_schema(schema, f"MCP server '{server.label}', tool '{listed_tool.name}'")
-        tools[name] = Tool(name=name, function=McpToolFunction(server, listed_tool.name, timeout_s), schema=schema,
+        tools[name] = Tool(name=name, function=McpToolFunction(server, listed_tool.name, name, timeout_s), schema=schema,
                            path=f"mcp:{server.label}")
     return tools
 
