@@ -285,11 +285,15 @@ def wire_watch(board: Board, c: dict) -> None:
     def on_watch(run_name, request: gr.Request):
         key = f"{getattr(request, 'session_hash', '')}:{run_name}"
         stamp = board.watch_stamp(run_name)
-        if stamp is not None and seen.get(key) == stamp:
+        before = seen.get(key)
+        if stamp is not None and before == stamp:
             return tuple(gr.skip() for _ in outputs)
         seen[key] = stamp
         view = board.watch(run_name)
-        return (view["progress"], view["status"], *view["plots"].values(), view["table"], view["samples"], view["log"])
+        # the plots redraw (and animate) only when metrics.jsonl moved, not at every new log line
+        same_metrics = stamp is not None and before is not None and before[0] == stamp[0]
+        plots = [gr.skip() if same_metrics else frame for frame in view["plots"].values()]
+        return (view["progress"], view["status"], *plots, view["table"], view["samples"], view["log"])
 
     def guarded(action):
         def handler(run_name):
