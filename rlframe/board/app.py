@@ -290,9 +290,10 @@ def wire_watch(board: Board, c: dict) -> None:
             return tuple(gr.skip() for _ in outputs)
         seen[key] = stamp
         view = board.watch(run_name)
-        # the plots redraw (and animate) only when metrics.jsonl moved, not at every new log line
+        # the plots redraw (and animate) only when metrics.jsonl moved, not at every new log line; an empty frame
+        # is never sent (gradio 6's LinePlot draws no lines for any later data after an empty first payload)
         same_metrics = stamp is not None and before is not None and before[0] == stamp[0]
-        plots = [gr.skip() if same_metrics else frame for frame in view["plots"].values()]
+        plots = [gr.skip() if same_metrics or frame.empty else frame for frame in view["plots"].values()]
         return (view["progress"], view["status"], *plots, view["table"], view["samples"], view["log"])
 
     def guarded(action):
@@ -338,8 +339,12 @@ def wire_runs(board: Board, c: dict) -> None:
         return board.runs_table(), gr.update(choices=names), gr.update(choices=names)
 
     c["refresh"].click(on_refresh, None, [c["table"], c["compare"], c["report_run"]])
+    def on_compare(names, key):
+        frame = board.compare(names, key)
+        return gr.skip() if frame.empty else frame  # (see wire_watch: no empty payload to a LinePlot)
+
     for event in (c["compare"].change, c["key"].change):
-        event(board.compare, [c["compare"], c["key"]], c["plot"])
+        event(on_compare, [c["compare"], c["key"]], c["plot"])
     c["open"].click(board.report, c["report_run"], c["report"])
 
 
