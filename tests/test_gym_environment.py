@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from helpers_tokenizer import build_tokenizer
-from rlframe.trainer.agent_metrics import agent_metrics
 from rlframe.workers.rollout.agent_loop import END_ANSWER, END_ENV_ERROR, END_TURN_LIMIT, AgentLoop, ObservationRenderer
 from rlframe.workers.rollout.gym_environment import GymEnvironment, is_gym_environment, row_seed
 from rlframe.workers.rollout.tools import load_environment
