@@ -277,6 +277,11 @@ def watch_tab(board: Board, L: Labels) -> dict:
     return c
 
 
+def drawable(frame) -> bool:
+    """A plot's points hold a line (two points of one series): only such a frame is sent to a LinePlot."""
+    return not frame.empty and int(frame.groupby("series").size().max()) >= 2
+
+
 def wire_watch(board: Board, c: dict) -> None:
     outputs = [c["progress"], c["status"], *c["plots"].values(), c["table"], c["samples"], c["log"]]
 
@@ -291,9 +296,9 @@ def wire_watch(board: Board, c: dict) -> None:
         seen[key] = stamp
         view = board.watch(run_name)
         # the plots redraw (and animate) only when metrics.jsonl moved, not at every new log line; an empty frame
-        # is never sent (gradio 6's LinePlot draws no lines for any later data after an empty first payload)
+        # or one without a line yet is never sent (gradio 6.31's LinePlot then draws no line for any later data)
         same_metrics = stamp is not None and before is not None and before[0] == stamp[0]
-        plots = [gr.skip() if same_metrics or frame.empty else frame for frame in view["plots"].values()]
+        plots = [gr.skip() if same_metrics or not drawable(frame) else frame for frame in view["plots"].values()]
         return (view["progress"], view["status"], *plots, view["table"], view["samples"], view["log"])
 
     def guarded(action):
@@ -341,7 +346,7 @@ def wire_runs(board: Board, c: dict) -> None:
     c["refresh"].click(on_refresh, None, [c["table"], c["compare"], c["report_run"]])
     def on_compare(names, key):
         frame = board.compare(names, key)
-        return gr.skip() if frame.empty else frame  # (see wire_watch: no empty payload to a LinePlot)
+        return frame if drawable(frame) else gr.skip()  # (see wire_watch)
 
     for event in (c["compare"].change, c["key"].change):
         event(on_compare, [c["compare"], c["key"]], c["plot"])
