@@ -6,7 +6,8 @@ and the command line, without starting anything or writing into the run folder.
 The steps are main's own, in its order (rlframe/main.py: compose_config, validate_config, then prepare_run's
 checks): the recipe and overrides composed onto the typed schema, every configuration check, the model folder
 and the memory plan (`validate_before_workers`), the tokenizer, and every data row read, checked and templated
-(`check_run_data`; generated data sets are written to the board's scratch folder, not the run folder). An error
+(`check_run_data`), through main's `check_before_ray` on the board's scratch folder (generated data sets are
+written there, not into the run folder). An error
 is the same one-screen `error: ...` text the command line prints. prepare_run's claim of the run folder is not
 called (it takes the lock and writes owner.json); `run_dir_problem` checks the lock without taking it.
 """
@@ -85,26 +86,15 @@ def composed_dict(cfg) -> dict:
 
 
 def check_before_workers(cfg, scratch: Path) -> str:
-    """prepare_run's checks after the claim: model folder, memory plan (its printed table returned), data."""
-    from transformers import AutoTokenizer
+    """main.check_before_ray (prepare_run's checks after the claim: model folder, memory plan, tokenizer, data) on
+    the board's scratch folder; returns the memory plan table it printed."""
+    from rlframe.main import check_before_ray
 
-    from rlframe.config import validate_before_workers
-    from rlframe.main import prepare_data
-    from rlframe.models.provision import resolve_model_path
-    from rlframe.preflight import check_run_data
-
+    scratch.mkdir(parents=True, exist_ok=True)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        try:
-            model_path = resolve_model_path(cfg.model.path)
-            validate_before_workers(cfg, model_path)
-        finally:
-            table = out.getvalue()
-        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-        scratch.mkdir(parents=True, exist_ok=True)
-        train_files, val_files = prepare_data(cfg, scratch)
-        check_run_data(cfg, tokenizer, train_files, val_files)
-    return table
+        check_before_ray(cfg, scratch)
+    return out.getvalue()
 
 
 def run_preview(args: list[str], run_dir: Path, scratch: Path, *, deep: bool = True) -> Preview:
