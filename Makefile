@@ -54,8 +54,11 @@ board: install
 	$(BIN)/python -m rlframe.board $(BOARD_ARGS)
 
 # The docs site is built with --strict first: a broken link or API reference fails the test (and CI).
+# Two test processes (pytest-xdist), each taking whole files: a tiny end-to-end run keeps ~1 of 2 cores busy
+# (imports, Ray and engine start-up), so two at once finish the suite sooner (TEST_PROCS=1: one process).
+TEST_PROCS ?= 2
 test: install docs
-	$(BIN)/python -m pytest -q -m "not slow" --durations=25 tests
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_PROCS) --dist loadfile --durations=25 tests
 
 # Also the slow end-to-end runs (the real grpo_math learning run: ~12 minutes on 2 cores).
 test-all: install
