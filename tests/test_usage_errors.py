@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ def before_start(argv: list[str]) -> str | None:
     from rlframe.trainer.run_dir import release_run_dir
 
     cfg = None
+    loggers = (logging.getLogger(), logging.getLogger("ray"))
+    handlers = [list(logger.handlers) for logger in loggers]  # prepare_run routes the driver's logs to the run folder
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             cfg = compose_config(argv)
@@ -44,6 +47,10 @@ def before_start(argv: list[str]) -> str | None:
     finally:
         if cfg is not None and cfg.trainer.run_dir:
             release_run_dir(Path(cfg.trainer.run_dir).resolve())
+        for logger, kept in zip(loggers, handlers):  # this process goes on: its logging as it was
+            for added in set(logger.handlers) - set(kept):
+                added.close()
+            logger.handlers[:] = kept
 
 
 def assert_one_screen(text: str | None, expected: tuple[str, ...], user_traceback: bool = False) -> None:

@@ -94,6 +94,13 @@ def route_driver_logs(run_dir: Path, verbose: bool) -> Path:
     if not verbose:
         for logger in (root, ray_logger):
             for handler in logger.handlers:
-                if handler is not to_file and not isinstance(handler, logging.FileHandler):
+                if writes_to_console(handler):
                     handler.addFilter(_ConsoleFilter())
     return path
+
+
+def writes_to_console(handler: logging.Handler) -> bool:
+    """A handler that writes to this process's stdout or stderr: not a file, not a test's log capture."""
+    if not isinstance(handler, logging.StreamHandler) or isinstance(handler, logging.FileHandler):
+        return False
+    return getattr(handler, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
