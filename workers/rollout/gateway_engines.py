@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlframe.workers.rollout.vllm_stepper import TokenRequests
+
 
 @dataclass(frozen=True)
 class CallParams:
@@ -42,7 +44,7 @@ class Sampled:
     extra: dict = field(default_factory=dict)
 
 
-class VLLMRequests:
+class VLLMRequests(TokenRequests):
     """Request-level access to a VLLMRollout's in-process engine (continuous batching)."""
 
     def __init__(self, rollout, eos_ids: set[int]):
@@ -64,31 +66,16 @@ class VLLMRequests:
                                   temperature=params.temperature, top_p=1.0 if params.greedy else params.top_p,
                                   top_k=-1 if params.greedy else params.top_k, stop=list(params.stop) or None,
                                   seed=None if params.greedy else params.seed, output_kind=RequestOutputKind.FINAL_ONLY)
-        request_id = f"gateway-{self.counter}"
-        self.counter += 1
-        prompt = {"prompt_token_ids": list(prompt_ids)}
-        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # vLLM's own rendering of a token prompt
-        if render is not None:
-            prompt = render(prompt)
-        self.engine.add_request(request_id, prompt, sampling, lora_request=getattr(self.rollout, "lora_request", None))
-        self.keys[request_id] = key
+        self.add_request(key, prompt_ids, sampling, "gateway")
 
     @property
     def busy(self) -> bool:
         return bool(self.keys)
 
     def step(self) -> list[Sampled]:
-        finished = []
-        for out in self.engine.step():
-            if not out.finished or out.request_id not in self.keys:
-                continue
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            log_probs = [lp[token].logprob for lp, token in zip(completion.logprobs, ids)]
-            reason = "length" if completion.finish_reason == "length" else "stop"
-            stop_hit = completion.stop_reason if isinstance(completion.stop_reason, str) else None
-            finished.append(Sampled(self.keys.pop(out.request_id), ids, log_probs, reason, stop_hit))
-        return finished
+        return [Sampled(key, ids, log_probs, "length" if completion.finish_reason == "length" else "stop",
+                        completion.stop_reason if isinstance(completion.stop_reason, str) else None)
+                for key, completion, ids, log_probs in self.finished_requests()]
 
     def abort(self, keys: list) -> None:
         """Drop these requests (an ended episode's) from the running batch."""
@@ -98,12 +85,6 @@ class VLLMRequests:
             self.engine.abort_request(ids)
             for request_id in ids:
                 del self.keys[request_id]
-
-    def abort_all(self) -> None:
-        if self.keys:
-            self.engine.abort_request(list(self.keys))
-            self.keys.clear()
-
 
 class HFRequests:
     """Requests served by HF `generate` in groups of equal sampling (one blocking batch call per `step`)."""

@@ -3,7 +3,46 @@
 from __future__ import annotations
 
 
-class VLLMStepper:
+class TokenRequests:
+    """What VLLMStepper and the gateway's VLLMRequests share over an in-process vLLM engine (`self.llm`,
+    `self.engine`, `self.rollout`): a token-id request added under a key, the finished ones collected, all aborted."""
+
+    llm: object
+    engine: object
+    rollout: object
+    keys: dict
+    counter: int
+
+    def add_request(self, key, token_ids: list[int], sampling_params, prefix: str) -> None:
+        request_id = f"{prefix}-{self.counter}"
+        self.counter += 1
+        prompt = {"prompt_token_ids": list(token_ids)}
+        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # vLLM's own rendering of a token prompt
+        if render is not None:
+            prompt = render(prompt)
+        self.engine.add_request(request_id, prompt, sampling_params,
+                                lora_request=getattr(self.rollout, "lora_request", None))
+        self.keys[request_id] = key
+
+    def finished_requests(self) -> list[tuple[object, object, list[int], list[float]]]:
+        """One engine step: (key, vLLM completion, sampled ids, their log-probs) of each request it finished."""
+        finished = []
+        for out in self.engine.step():
+            if not out.finished or out.request_id not in self.keys:
+                continue
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            log_probs = [lp[token].logprob for lp, token in zip(completion.logprobs, ids)]
+            finished.append((self.keys.pop(out.request_id), completion, ids, log_probs))
+        return finished
+
+    def abort_all(self) -> None:
+        if self.keys:
+            self.engine.abort_request(list(self.keys))
+            self.keys.clear()
+
+
+class VLLMStepper(TokenRequests):
     """Request-level access to a VLLMRollout's engine (continuous batching): `submit` adds one request
     (token ids in), `step` runs one engine step (vLLM schedules every unfinished request together, new
     ones joining at once) and returns the requests that finished in it as (key, token ids, log-probs).
@@ -35,29 +74,8 @@ class VLLMStepper:
                               seed=None if sampling.greedy else seed, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def submit(self, key, token_ids: list[int], sampling, seed: int | None = None) -> None:
-        request_id = f"agent-{self.counter}"
-        self.counter += 1
-        prompt = {"prompt_token_ids": list(token_ids)}
-        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # vLLM's own rendering of a token prompt
-        if render is not None:
-            prompt = render(prompt)
-        self.engine.add_request(request_id, prompt, self.params(sampling, seed),
-                                lora_request=getattr(self.rollout, "lora_request", None))
-        self.keys[request_id] = key
-
-    def abort_all(self) -> None:
-        if self.keys:
-            self.engine.abort_request(list(self.keys))
-            self.keys.clear()
+        self.add_request(key, token_ids, self.params(sampling, seed), "agent")
 
     def step(self) -> list[tuple[object, list[int], list[float]]]:
-        finished = []
         self.steps += 1
-        for out in self.engine.step():
-            if not out.finished or out.request_id not in self.keys:
-                continue
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            log_probs = [lp[token].logprob for lp, token in zip(completion.logprobs, tokens)]
-            finished.append((self.keys.pop(out.request_id), tokens, log_probs))
-        return finished
+        return [(key, ids, log_probs) for key, _, ids, log_probs in self.finished_requests()]
