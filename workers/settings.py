@@ -179,8 +179,14 @@ class AgentProgramSettings:
     max_tokens_per_call: int = 0  # 0: the episode's remaining budget
     tool_format: str = "hermes"
     host: str = "127.0.0.1"
+    allow_remote: bool = False
     sampling_from_request: bool = False
     record_dir: str | None = None
+    max_body_bytes: int = 4 << 20  # the gateway's limits (workers/rollout/gateway.py, GatewayLimits)
+    read_timeout_s: float = 10.0
+    max_connections: int = 64
+    max_calls_per_episode: int = 128
+    max_episode_tokens: int = 0
 
 
 @dataclass(frozen=True)

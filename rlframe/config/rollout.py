@@ -114,6 +114,15 @@ class AgentProgramConfig:
     tool_format: str = "hermes"  # tool-call parser for `tools` requests (as rollout.multi_turn.format)
     prompt_tokens: int = bounded(512, ">= 0")  # room for the agent's own prompt (system message, tools) in max_model_len
     host: str = "127.0.0.1"  # the endpoint's address (loopback: only this machine's agents reach it)
+    allow_remote: bool = False  # true: a non-loopback host is allowed (plain HTTP to the network; a trusted one only)
+    # The gateway's limits (docs/gateway.md, "What is checked"): a request's body; the time a request may take to
+    # arrive (a slower one gets 408, an idle connection is closed); connections open at once (one more: 503); an
+    # episode's calls and its prompt + completion tokens over all its calls (429 past either).
+    max_body_bytes: int = bounded(4 << 20, "[1024, 268435456]")
+    read_timeout_s: float = bounded(10.0, "> 0")
+    max_connections: int = bounded(64, ">= 1")
+    max_calls_per_episode: int = bounded(128, ">= 1")
+    max_episode_tokens: int = bounded(0, ">= 0", "0: 32 x rollout.max_model_len")
     # false: training samples at rollout.temperature/top_p/top_k whatever the agent asks (the trainer scores tokens at
     # that temperature); true: the request's temperature/top_p are used (rollout/logprob_abs_diff then measures that)
     sampling_from_request: bool = False
@@ -339,7 +348,8 @@ def partial_staleness_bounds(cfg, need) -> None:
 
 def agent_program_well_formed(cfg, need) -> None:
     """rollout.agent_program: a function (path + name, defined in the file) or a command, not both; merged or
-    per_call rows; not with the built-in agent loop, partial rollouts or a tensor-parallel engine."""
+    per_call rows; not with the built-in agent loop, partial rollouts or a tensor-parallel engine; a loopback host
+    unless allow_remote."""
     ap, key = cfg.rollout.agent_program, "rollout.agent_program"
     if not ap.enabled:
         return
@@ -359,6 +369,10 @@ def agent_program_well_formed(cfg, need) -> None:
 
         problem = agent_function_problem(ap.path, ap.name)
         need(problem is None, f"{key}.path", problem or "")
+    from rlframe.workers.rollout.gateway import host_problem
+
+    problem = host_problem(ap.host, ap.allow_remote)
+    need(problem is None, f"{key}.host", problem or "")
     from rlframe.workers.rollout.tools import ToolLoadError, get_parser
 
     try:

@@ -42,13 +42,20 @@ def agent_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask
 
 
 FAILURES = ("timeout", "crash", "no_result", "bad_answer", "spawn_error")
-REFUSALS = ("malformed", "late", "over_budget", "unknown_key", "template", "not_found")
+# gateway/refused/<kind> (docs/gateway.md, "Faults"): 400 malformed (a field, named in the answer), template (the chat
+# template refused the messages), over_budget (past the chain's budget or the engine's context), engine_refused (the
+# engine's submit refused the call); 401 unknown_key, late (the episode had ended); 404 not_found; 408 timeout (not
+# received within read_timeout_s); 413 too_large (over max_body_bytes); 429 call_limit, token_budget (the episode's
+# max_calls_per_episode / max_episode_tokens); 500 engine_error (the engine's step failed), internal (the gateway's
+# own failure); 503 busy (max_connections open).
+REFUSALS = ("malformed", "late", "over_budget", "unknown_key", "template", "not_found", "timeout", "too_large",
+            "call_limit", "token_budget", "busy", "engine_refused", "engine_error", "internal")
 
 
 def gateway_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, float]:
     """Per-step metrics of agent-program episodes (one row each): calls and tokens per episode, the calls merged
     into the row, failed episodes by reason (gateway/failed/<reason>: counts), refused calls by kind
-    (gateway/refused/<kind>: counts; late = after the episode ended), trained vs context tokens per row."""
+    (gateway/refused/<kind>: counts, REFUSALS; late = after the episode ended), trained vs context tokens per row."""
     calls = np.asarray(non_tensors["gateway_calls"], dtype=float)
     unmerged = np.asarray(non_tensors["gateway_unmerged_calls"], dtype=float)
     failed = [str(f) for f in non_tensors["gateway_failed"]]
@@ -69,7 +76,7 @@ def gateway_metrics(non_tensors: dict, response_mask: torch.Tensor, attention_ma
     for reason in sorted(set(FAILURES) | {f for f in failed if f}):
         metrics[f"gateway/failed/{reason}"] = float(sum(f == reason for f in failed))
     refused: dict[str, float] = {kind: 0.0 for kind in REFUSALS}
-    for by_kind in non_tensors.get("gateway_refused", []):
+    for by_kind in [*non_tensors.get("gateway_refused", []), *non_tensors.get("gateway_server_refused", [])]:
         for kind, count in by_kind.items():
             refused[kind] = refused.get(kind, 0.0) + count
     refused["unknown_key"] += float(np.sum(np.asarray(non_tensors.get("gateway_unknown_key_calls", [0]), dtype=float)))

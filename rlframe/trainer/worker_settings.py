@@ -163,7 +163,10 @@ def agent_program_settings(cfg: RLConfig) -> AgentProgramSettings | None:
                                 rows=ap.rows, max_concurrent_episodes=ap.max_concurrent_episodes,
                                 episode_timeout_s=ap.episode_timeout_s, max_tokens_per_call=ap.max_tokens_per_call,
                                 tool_format=ap.tool_format, host=ap.host, sampling_from_request=ap.sampling_from_request,
-                                record_dir=os.path.join(os.path.abspath(run_dir), "gateway") if run_dir else None)
+                                record_dir=os.path.join(os.path.abspath(run_dir), "gateway") if run_dir else None,
+                                allow_remote=ap.allow_remote, max_body_bytes=ap.max_body_bytes,
+                                read_timeout_s=ap.read_timeout_s, max_connections=ap.max_connections,
+                                max_calls_per_episode=ap.max_calls_per_episode, max_episode_tokens=ap.max_episode_tokens)
 
 
 def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:

@@ -45,7 +45,7 @@ from rlframe.protocol import DataProto
 from rlframe.workers.rollout.agent_loop import left_padded, object_array
 from rlframe.workers.rollout.episode_files import prompt_messages
 from rlframe.workers.rollout.episode_forks import ForkServer
-from rlframe.workers.rollout.gateway import CallRecord, Episode, Gateway
+from rlframe.workers.rollout.gateway import CallRecord, Episode, Gateway, GatewayLimits
 from rlframe.workers.rollout.gateway_chat import ChatEncoder
 from rlframe.workers.rollout.gateway_engines import CallParams, request_engine
 from rlframe.workers.rollout.tools import get_parser
@@ -95,17 +95,22 @@ class AgentEpisodes:
         # (synchronous training: one update after each)
         version = int(meta["step"]) - 1 if "step" in meta else self.train_rollouts
         self.train_rollouts += 0 if meta.get("validate") or meta.get("greedy") else 1
-        gateway = Gateway(self.encoder, host=self.program.host, max_model_len=self.settings.max_model_len,
-                          max_tokens_per_call=self.program.max_tokens_per_call,
-                          sampling_from_request=self.program.sampling_from_request, policy_version=version,
-                          call_timeout_s=self.program.episode_timeout_s)
+        engine = request_engine(self.engine, self.tokenizer, self.eos_ids, self.pad_id)
+        p = self.program
+        gateway = Gateway(self.encoder, host=p.host, max_model_len=self.settings.max_model_len,
+                          max_tokens_per_call=p.max_tokens_per_call, sampling_from_request=p.sampling_from_request,
+                          policy_version=version, call_timeout_s=p.episode_timeout_s, allow_remote=p.allow_remote,
+                          vocab_size=min(len(self.tokenizer), engine.vocab_size or len(self.tokenizer)),
+                          limits=GatewayLimits(max_body_bytes=p.max_body_bytes, read_timeout_s=p.read_timeout_s,
+                                               max_connections=p.max_connections,
+                                               max_calls_per_episode=p.max_calls_per_episode,
+                                               max_episode_tokens=p.max_episode_tokens))
         params = CallParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                             top_p=sampling.top_p, top_k=sampling.top_k)
         runs = [AgentRun(gateway.open_episode(i, sampling.max_new_tokens, params,
                                               None if seeds is None else int(seeds[i])))
                 for i in range(len(prompt_ids))]
         rows = [self.agent_row(i, prompt_ids[i], None if env_rows is None else env_rows[i]) for i in range(len(runs))]
-        engine = request_engine(self.engine, self.tokenizer, self.eos_ids, self.pad_id)
         url = gateway.start()
         # a function agent: episodes forked from one server that imported the client libraries once (per rollout)
         self.forks = None if self.program.command else ForkServer(dict(os.environ))
@@ -321,6 +326,9 @@ class AgentEpisodes:
             "gateway_seconds": np.array([r.seconds for r in runs], dtype=object),
             "gateway_unknown_key_calls": np.array([gateway.unknown_key_calls if i == 0 else 0
                                                    for i in range(len(runs))], dtype=object),
+            # refusals before any episode was known (busy, a slow or malformed HTTP request), on the first row
+            "gateway_server_refused": object_array([{k: v for k, v in gateway.refused.items() if k != "unknown_key"}
+                                                    if i == 0 else {} for i in range(len(runs))]),
         }
 
     @staticmethod

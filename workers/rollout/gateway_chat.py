@@ -28,11 +28,15 @@ _HERMES_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
 class RequestError(ValueError):
-    """A request the gateway refuses (HTTP 400): `code` names it (counted per episode), the message says why."""
+    """A request the gateway refuses (HTTP 400 unless `status` says otherwise): `code` names it in the answer, `kind`
+    in the counts (gateway/refused/<kind>; the code unless given, "" for a refusal counted elsewhere or not at all),
+    the message says why."""
 
-    def __init__(self, message: str, code: str = "malformed", param: str | None = None, status: int = 400):
+    def __init__(self, message: str, code: str = "malformed", param: str | None = None, status: int = 400,
+                 kind: str | None = None):
         super().__init__(message)
         self.code, self.param, self.status = code, param, status
+        self.kind = code if kind is None else kind
 
 
 def content_text(content) -> str:

@@ -1,7 +1,8 @@
 """The rollout engines at the request level, for the gateway: token ids in, sampled ids and their log-probs out.
 
 `submit(key, prompt_ids, params)` queues one completion; `step()` advances the engine and returns the completions
-that finished as `Sampled`. vLLM (`VLLMRequests`): continuous batching, each request joins the running batch at
+that finished as `Sampled`; `vocab_size`: the token ids the engine's model takes (None: not known). What an engine
+raises from `submit` or `step` is caught by the gateway (Gateway.serve_engine): it answers those calls. vLLM (`VLLMRequests`): continuous batching, each request joins the running batch at
 once (as VLLMStepper does for the built-in agent loop) with its own seed and stop strings. HF generate
 (`HFRequests`): one blocking `generate` per group of waiting requests with the same sampling; stop strings are
 applied to the sampled ids afterwards (the ids are cut after the token that completes the stop string).
@@ -55,6 +56,8 @@ class VLLMRequests(TokenRequests):
         self.counter = 0
         if getattr(rollout, "weights_discarded", False):
             raise RuntimeError("gateway: the vLLM engine's weights were discarded (level-2 sleep) and not reloaded")
+        config = getattr(self.engine, "model_config", None)
+        self.vocab_size = config.get_vocab_size() if config is not None else None
         if hasattr(rollout, "wake_up"):
             rollout.wake_up(tags=["weights", "kv_cache"])
 
@@ -92,6 +95,8 @@ class HFRequests:
     def __init__(self, rollout, tokenizer, eos_ids: set[int], pad_id: int):
         self.rollout, self.tokenizer, self.eos_ids, self.pad_id = rollout, tokenizer, eos_ids, pad_id
         self.waiting: list[tuple[object, list[int], CallParams]] = []
+        embeddings = rollout.model.get_input_embeddings() if hasattr(rollout, "model") else None
+        self.vocab_size = getattr(embeddings, "num_embeddings", None)
 
     def submit(self, key, prompt_ids: list[int], params: CallParams) -> None:
         self.waiting.append((key, list(prompt_ids), params))
