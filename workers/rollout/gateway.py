@@ -185,7 +185,9 @@ class Gateway:
         gateway = self
 
         class Handler(GatewayHandler):
-            timeout = gateway.limits.read_timeout_s  # a socket read or write stalled this long ends the connection
+            # a socket read or write stalled this long ends the connection (reads: after the deadline's reaper,
+            # which answers 408 with what it knows of the request; this bounds a write to a client not reading)
+            timeout = 2 * gateway.limits.read_timeout_s + 1
 
         Handler.gateway = gateway
         self.server = GatewayServer((self.host, 0), Handler)
@@ -245,6 +247,7 @@ class Gateway:
     # ------------------------------------------------------------------ connections (server and handler threads)
     def reading(self, handler: GatewayHandler, reading: bool) -> None:
         """A connection starts (True) or ends (False) receiving a request: it has `read_timeout_s` to arrive."""
+        handler.receiving = reading
         with self.connections_lock:
             self.connections[handler] = time.monotonic() + self.limits.read_timeout_s if reading else None
 
@@ -501,6 +504,7 @@ class GatewayServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False  # stop() closes the connections and joins their threads itself
+    request_queue_size = 256  # the listen backlog (the standard library's 5 drops bursts of connects: 1 s retries)
     gateway: Gateway = None
 
     def process_request(self, request, client_address):
@@ -527,6 +531,23 @@ class GatewayServer(ThreadingHTTPServer):
     def service_actions(self):
         self.gateway.reap_slow()
 
+    def shutdown_request(self, request):
+        """A lingering close: the answer's end sent, what the client still sends (a body refused unread) drained
+        for up to 0.5 s, then closed (closing with unread data resets the connection, and the client may lose the
+        answer before reading it)."""
+        shut(request, socket.SHUT_WR)
+        deadline, drained = time.monotonic() + 0.5, 0
+        try:
+            while drained < self.gateway.limits.max_body_bytes and (left := deadline - time.monotonic()) > 0:
+                request.settimeout(left)
+                data = request.recv(1 << 16)
+                if not data:
+                    break
+                drained += len(data)
+        except OSError:
+            pass
+        self.close_request(request)
+
     def handle_error(self, request, client_address):  # a connection's unexpected error: logged, not printed
         logger.debug("gateway: connection from %s failed", client_address, exc_info=True)
 
@@ -552,13 +573,13 @@ class GatewayHandler(BaseHTTPRequestHandler):
 
     gateway: Gateway = None  # set on the per-server subclass
     protocol_version = "HTTP/1.1"
-    timeout = 10.0  # set on the per-server subclass: limits.read_timeout_s
+    timeout = 21.0  # set on the per-server subclass from limits.read_timeout_s
 
     def log_message(self, format, *args):  # noqa: A002 (quiet: the record and the metrics say what happened)
         pass
 
     def setup(self):
-        self.timed_out, self.episode = False, None
+        self.timed_out, self.episode, self.receiving = False, None, False
         super().setup()
 
     def finish(self):
@@ -591,19 +612,19 @@ class GatewayHandler(BaseHTTPRequestHandler):
                 return self.refuse_slow()
             method = getattr(self, "do_" + self.command, None)
             if method is None:
-                return self.send_error(501, f"unsupported method {self.command!r}")
+                return self.send_error(405, f"unsupported method {self.command!r}: the gateway takes GET and POST")
             method()
             self.wfile.flush()
-        except TimeoutError:
+        except TimeoutError:  # a read the deadline's reaper missed (answered 408), or a write to a client not reading
             self.close_connection = True
-            if self.raw_requestline:
+            if self.receiving:
                 self.refuse_slow()
         except OSError:  # the client went away
             self.close_connection = True
 
     def refuse_slow(self) -> None:
         self.close_connection = True
-        error = RequestError(f"the request was not received within {self.timeout} s "
+        error = RequestError(f"the request was not received within {self.gateway.limits.read_timeout_s} s "
                              "(rollout.agent_program.read_timeout_s)", code="timeout", status=408)
         self.gateway.count(self.episode, error)
         try:
@@ -612,9 +633,11 @@ class GatewayHandler(BaseHTTPRequestHandler):
             pass
 
     def send_error(self, code, message=None, explain=None):
-        """The standard library's refusals of a malformed HTTP request, as JSON, counted."""
-        error = RequestError(message or "malformed HTTP request", code="malformed", status=code)
-        self.close_connection = True
+        """The standard library's refusals of a malformed HTTP request (an HTTP/2 line's 505 as a 400), as JSON,
+        counted."""
+        error = RequestError(message or "malformed HTTP request", code="malformed", status=code if code < 500 else 400)
+        if self.request_version == "HTTP/0.9":  # (an answer with a status line)
+            self.request_version = "HTTP/1.1"
         self.gateway.count(None, error)
         self.send_error_json(error)
 
@@ -622,15 +645,15 @@ class GatewayHandler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") == "/v1/models":
             return self.send_json(200, {"object": "list", "data": [{"id": "rlframe-policy", "object": "model",
                                                                      "owned_by": "rlframe"}]})
-        self.close_connection = True  # (a body, if any, is not read)
-        self.send_error_json(RequestError(f"no such endpoint: GET {self.path}", code="not_found", status=404))
+        error = RequestError(f"no such endpoint: GET {self.path}", code="not_found", status=404)
+        self.gateway.count(None, error)
+        self.send_error_json(error)
 
     def do_POST(self):
         endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(self.path.rstrip("/"))
         try:
             self.episode = self.gateway.episode_for(self.headers.get("Authorization"))
             if endpoint is None:
-                self.close_connection = True
                 raise RequestError(f"no such endpoint: POST {self.path} (the gateway serves /v1/chat/completions "
                                    "and /v1/completions)", code="not_found", status=404)
             raw = self.read_body()
@@ -656,24 +679,21 @@ class GatewayHandler(BaseHTTPRequestHandler):
         self.send_json(200, payload)
 
     def read_body(self) -> bytes:
-        """The body by a checked Content-Length (a whole number up to max_body_bytes; else refused unread and the
-        connection closed), received within the request's deadline (else 408)."""
+        """The body by a checked Content-Length (a whole number up to max_body_bytes; else refused unread: every
+        refusal closes the connection), received within the request's deadline (else 408)."""
         lengths = self.headers.get_all("Content-Length") or []
         if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
             raise RequestError("a chunked body is not taken: send a Content-Length", code="malformed", status=411,
                                param="Content-Length")
         if not lengths:
             self.gateway.reading(self, False)
             return b""
         if len(set(lengths)) != 1 or not _DIGITS.fullmatch(lengths[0].strip()):
-            self.close_connection = True
             raise RequestError(f"Content-Length must be one whole number of bytes, got {', '.join(lengths)!r}"[:200],
                                param="Content-Length")
         length = int(lengths[0])
         limit = self.gateway.limits.max_body_bytes
         if length > limit:
-            self.close_connection = True
             raise RequestError(f"the body is {length} bytes; at most {limit} (rollout.agent_program.max_body_bytes)",
                                code="too_large", status=413, param="Content-Length")
         try:
@@ -681,9 +701,8 @@ class GatewayHandler(BaseHTTPRequestHandler):
         except TimeoutError:
             raw = None
         if raw is None or len(raw) < length:
-            self.close_connection = True
             if raw is None or self.timed_out:
-                raise RequestError(f"the body was not received within {self.timeout} s "
+                raise RequestError(f"the body was not received within {self.gateway.limits.read_timeout_s} s "
                                    "(rollout.agent_program.read_timeout_s)", code="timeout", status=408)
             raise RequestError(f"the body ended after {len(raw)} of its {length} bytes", param="Content-Length")
         self.gateway.reading(self, False)
@@ -700,6 +719,9 @@ class GatewayHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def send_error_json(self, error: RequestError) -> None:
+        """The refusal in OpenAI's form; the connection then closes (what the client sent past it is never read
+        as another request)."""
+        self.close_connection = True
         kind = {401: "authentication_error", 429: "rate_limit_error"}.get(
             error.status, "server_error" if error.status >= 500 else "invalid_request_error")
         self.send_json(error.status, {"error": {"message": str(error), "type": kind, "param": error.param,

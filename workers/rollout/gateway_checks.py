@@ -72,8 +72,7 @@ def check_sampling(endpoint: str, body: dict, vocab_size: int) -> None:
         value = body.get(key)
         if value is None:
             continue
-        low_ok = value > lo if key == "top_p" else value >= lo
-        if not _number(value) or not low_ok or value > hi:
+        if not _number(value) or not (value > lo if key == "top_p" else value >= lo) or value > hi:
             raise RequestError(f"'{key}' must be a finite number in {text}, got {value!r}"[:200], param=key)
     top_k = body.get("top_k")
     if top_k is not None and (not _whole(top_k) or not (top_k == -1 or 1 <= top_k <= vocab_size)):
