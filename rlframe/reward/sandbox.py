@@ -374,6 +374,11 @@ def unisolated_message(isolation: dict) -> str:
             f"(environment {ALLOW_UNISOLATED_ENV}=1; Sandbox(allow_unisolated=True) in code)")
 
 
+def isolation_mode() -> str:
+    """The mode a default Sandbox gets on this machine: root, userns or none (asked in throwaway processes)."""
+    return Sandbox._choose_mode("auto", "auto")
+
+
 def allowed_unisolated_by_environment() -> bool:
     return os.environ.get(ALLOW_UNISOLATED_ENV, "").strip().lower() in ("1", "true", "yes")
 
