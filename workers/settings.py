@@ -148,6 +148,7 @@ class McpServerSettings:
     tools: tuple[str, ...] = ()  # the server's tools the model gets (() = all it lists)
     prefix: str = ""  # the model sees each tool as prefix + name
     startup_timeout_s: float = 30.0
+    inherit_env: bool = False  # the server gets this process's whole environment (else the MCP SDK's default)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ class AgentProgramSettings:
     host: str = "127.0.0.1"
     sampling_from_request: bool = False
     record_dir: str | None = None
+    inherit_env: bool = False  # the agent gets this process's whole environment (else an allow-list + OPENAI_*)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ def agent_program_settings(cfg: RLConfig) -> AgentProgramSettings | None:
                                 rows=ap.rows, max_concurrent_episodes=ap.max_concurrent_episodes,
                                 episode_timeout_s=ap.episode_timeout_s, max_tokens_per_call=ap.max_tokens_per_call,
                                 tool_format=ap.tool_format, host=ap.host, sampling_from_request=ap.sampling_from_request,
-                                record_dir=os.path.join(os.path.abspath(run_dir), "gateway") if run_dir else None)
+                                inherit_env=ap.inherit_env, record_dir=os.path.join(os.path.abspath(run_dir), "gateway") if run_dir else None)
 
 
 def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:
