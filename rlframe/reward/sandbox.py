@@ -23,15 +23,24 @@ machine:
 * ``netns``: its own network namespace (``unshare(CLONE_NEWNET)`` through libc; root, or an
   unprivileged user namespace): no interface but a downed loopback, so ``connect(("127.0.0.1", p))``
   fails with "Network is unreachable";
-* ``mountns`` (with ``uid``): its own mount namespace in which every mount is re-mounted read-only,
-  ``/tmp`` is a fresh empty tmpfs holding only the working directory (``/tmp/work``, the one
-  writable place), and ``/root`` and ``/home`` are hidden behind empty tmpfs (the interpreter's
-  own prefix is bound back read-only when it lives there);
-* ``audit_hook`` (the fallback when no namespace can be had, e.g. non-root without user
+* ``mountns`` + ``pidns`` + ``root``: its own mount and pid namespaces and a root built from an allow-list
+  (``_setup_root``): the interpreter, its standard library and libraries read-only, a fresh ``/proc``, and
+  ``/tmp/work``, the one writable place, a tmpfs of ``max_disk_bytes`` (not the host's ``/tmp``);
+* the mode (``Sandbox.mode``): "root" (all of the above with the uid drop), "userns" (not root: the same
+  namespaces and root inside an unprivileged user namespace that maps only the caller's uid to itself, as
+  bubblewrap does, so the program holds no capability once it execs), or "none";
+* ``audit_hook`` (mode "none", when no namespace can be had: non-root where the kernel refuses user
   namespaces): a ``sys.addaudithook`` installed before the program runs refuses socket creation
-  and connection, ``ctypes``, process spawning and opening files for writing outside the working
-  directory. This is a Python-level guard only (native code can get around it); prefer a machine
-  where the namespaces work.
+  and connection, ``ctypes``, process spawning, reading outside the working directory and the standard
+  library, writing, removing, renaming outside the working directory. This is a Python-level guard only
+  (native code can get around it): a Sandbox in this mode refuses to be made (``SandboxUnisolatedError``)
+  unless ``allow_unisolated=True`` (``reward.sandbox.allow_unisolated=true`` for a run).
+
+Memory and disk in total: each process ``memory_bytes`` of address space, at most
+``total_memory_bytes // memory_bytes`` processes (RLIMIT_NPROC: per uid as root, per user namespace in mode
+userns), and the working directory's tmpfs. A memory cgroup would bound resident memory more tightly; it is
+not used: on the machines this was built on the cgroup v2 hierarchy has no memory controller to delegate, so
+that path could not be tested.
 
 Always: a fresh temporary working directory, removed afterwards; an empty environment (``PATH``,
 ``HOME``, ``LANG`` only); the interpreter runs with ``-I -S`` (no site-packages, no user site, no
@@ -392,8 +401,8 @@ class SandboxLimits:
     max_file_bytes: int = 16 << 20        # RLIMIT_FSIZE
     max_open_files: int = 64
     max_output_bytes: int = 64 << 10      # each of stdout and stderr
-    # All of one execution's processes together (see Sandbox.isolation["memory"]): a cgroup's memory.max where
-    # one can be made, else RLIMIT_NPROC lowered so that processes x memory_bytes stays within it.
+    # All of one execution's processes together (Sandbox.isolation["memory"]): RLIMIT_NPROC is lowered so that
+    # processes x memory_bytes stays within it (no memory cgroup is used: see the module docstring).
     total_memory_bytes: int = 4 << 30
     max_disk_bytes: int = 64 << 20        # the working directory's tmpfs (all files together), with namespaces
 
