@@ -20,12 +20,18 @@ manager a per-sample timeout that covers all of a sample's test cases (``reward.
    program exits 0 and its stdout matches (trailing whitespace and trailing blank lines ignored).
    At most MAX_TESTS cases run (the first ones).
 3. Score: the fraction of cases passed, or with ``ALL_OR_NOTHING = True`` 1.0 only when every
-   case passes. Extras: ``format`` (a code block was found), ``pass_rate``, ``passed``, ``total``
-   and ``verdict`` (the first non-passing case's verdict, or "passed").
+   case passes. Extras: ``format`` (a code block was found), ``pass_rate``, ``passed``, ``total``,
+   ``verdict`` (the first non-passing case's verdict, or "passed") and ``sandbox_isolated`` (1.0 when the
+   programs ran in an allow-list root of their own: the run's ``reward/sandbox_isolated_mean``).
+
+Isolation: the sandbox isolates as root, or off root in an unprivileged user namespace. Where neither is possible
+it refuses to run (``SandboxUnisolatedError``, naming ``reward.sandbox.allow_unisolated``) unless that key is true;
+the mode it got (``Sandbox.isolation``) is printed once per process (the run's console).
 """
 
 import json
 import re
+import sys
 
 from rlframe.reward.sandbox import Sandbox, SandboxLimits
 
@@ -63,6 +69,11 @@ def _sandbox():
         _SANDBOX = Sandbox(max_concurrency=CONCURRENCY,
                            limits=SandboxLimits(wall_time_s=TIME_LIMIT_S, cpu_time_s=TIME_LIMIT_S,
                                                 memory_bytes=MEMORY_BYTES))
+        isolation = _SANDBOX.isolation
+        print(f"code reward: sandbox isolation mode={isolation['mode']} root={isolation['root']} "
+              f"memory={isolation['memory']} disk={isolation['disk']}"
+              + ("" if _SANDBOX.isolated else " -- NOT ISOLATED (reward.sandbox.allow_unisolated=true)"),
+              file=sys.stderr, flush=True)
     return _SANDBOX
 
 
@@ -72,7 +83,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     program = extract_program(solution_str)
     if program is None:
         return {"score": 0.0, "format": 0.0, "pass_rate": 0.0, "passed": 0.0,
-                "total": float(len(inputs)), "verdict": "no_code"}
+                "total": float(len(inputs)), "verdict": "no_code", "sandbox_isolated": float(_sandbox().isolated)}
     results = _sandbox().run_many([{"code": program, "stdin": x, "expected_stdout": y}
                                    for x, y in zip(inputs, outputs)])
     passed = sum(r.passed for r in results)
@@ -83,4 +94,4 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         score = pass_rate
     first_bad = next((r.verdict for r in results if not r.passed), "passed")
     return {"score": score, "format": 1.0, "pass_rate": pass_rate, "passed": float(passed),
-            "total": float(len(results)), "verdict": first_bad}
+            "total": float(len(results)), "verdict": first_bad, "sandbox_isolated": float(_sandbox().isolated)}

@@ -42,6 +42,12 @@ def pid() -> str:
 
 
 @server.tool()
+def getenv(name: str) -> str:
+    """The value of an environment variable of this server process, or <unset>."""
+    return os.environ.get(name, "<unset>")
+
+
+@server.tool()
 def crash() -> str:
     """The process exits at once (a server that dies)."""
     print("crashing on purpose", file=sys.stderr, flush=True)

@@ -70,7 +70,7 @@ def test_mcp_tools_in_the_agent_loop(tok):
                                  tool_timeout_s=3.0)  # headroom for a loaded machine (the suite runs 2 test processes)
     loop = AgentLoop(engine, settings, tok)
     try:
-        assert {"echo", "mcp_add", "mcp_fail", "mcp_nap", "mcp_pid", "mcp_crash", "mcp_echo"} == set(loop.tools)
+        assert {"echo", "mcp_add", "mcp_fail", "mcp_nap", "mcp_pid", "mcp_crash", "mcp_echo", "mcp_getenv"} == set(loop.tools)
         assert loop.tools["mcp_add"].parameters["required"] == ["a", "b"] and loop.tools["mcp_add"].path == "mcp:calc"
         assert '"name": "mcp_add"' in tool_prompt(loop.tools, "hermes")  # the tool prompt lists the MCP tools too
         out = loop.run(prompt_batch(tok, [prompt]), SAMPLING)
@@ -168,3 +168,46 @@ def test_a_killed_worker_leaves_no_server(tmp_path):
         assert wait_gone(pid, 4.0), f"the MCP server {pid} outlived the process that started it"
     finally:
         parent.kill()
+
+
+def test_a_server_does_not_see_our_secrets(monkeypatch):
+    """A stdio server gets the MCP SDK's default environment plus its entry's `env`: HF_TOKEN (and the like) in
+    rlframe's environment do not reach it; `inherit_env: true` hands it everything."""
+    monkeypatch.setenv("HF_TOKEN", "hf-secret-x")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-y")
+    for inherit, expected in ((False, "<unset>"), (True, "hf-secret-x")):
+        server = McpServer(stdio_server(env={"MY_SETTING": "on"}, inherit_env=inherit))
+        try:
+            server.start()
+            seen = {name: server.call("getenv", {"name": name}, timeout_s=10).text
+                    for name in ("HF_TOKEN", "WANDB_API_KEY", "MY_SETTING", "PATH", "HOME")}
+        finally:
+            server.close()
+        assert seen["HF_TOKEN"] == expected and seen["MY_SETTING"] == "on", (inherit, seen)
+        assert seen["WANDB_API_KEY"] == ("wandb-secret-y" if inherit else "<unset>")
+        assert seen["PATH"] != "<unset>" and seen["HOME"] != "<unset>"  # the SDK's default list
+
+
+@pytest.mark.parametrize("url, ok", [("https://tools.example.com/mcp", True), ("http://127.0.0.1:8931/mcp", True),
+                                     ("http://localhost:8931/mcp", True), ("http://[::1]:8931/mcp", True),
+                                     ("http://tools.example.com/mcp", False), ("http://10.0.0.5:8931/mcp", False),
+                                     ("ftp://127.0.0.1/mcp", False), ("http:///mcp", False)])
+def test_mcp_urls_are_https_except_on_loopback(url, ok):
+    from rlframe.config.rollout import mcp_url_problem
+
+    problem = mcp_url_problem(url)
+    assert (problem is None) == ok, problem
+    assert ok or "Fix:" in problem
+
+
+def test_plain_http_to_another_host_is_refused_before_connecting():
+    """The check names the entry's url key and starts (reaches) nothing."""
+    from types import SimpleNamespace
+
+    from rlframe.config.rollout import mcp_servers_list_their_tools
+
+    problems = []
+    mt = SimpleNamespace(mcp_servers=[McpServerConfig(url="http://tools.example.com/mcp")])
+    mcp_servers_list_their_tools(mt, lambda ok, key, message: ok or problems.append((key, message)), {})
+    assert [key for key, _ in problems] == ["rollout.multi_turn.mcp_servers[0].url"]
+    assert "plain http" in problems[0][1] and "https://tools.example.com/mcp" in problems[0][1]

@@ -37,7 +37,7 @@ def fenced(body: str, tag: str = "python") -> str:
 def test_code_all_pass():
     out = CODE("code", fenced("a, b = map(int, input().split())\nprint(a + b)"), ADD_TESTS)
     assert out == {"score": 1.0, "format": 1.0, "pass_rate": 1.0, "passed": 3.0, "total": 3.0,
-                   "verdict": "passed"}
+                   "verdict": "passed", "sandbox_isolated": 1.0}
 
 
 def test_code_partial_credit_and_all_or_nothing(monkeypatch):
@@ -59,7 +59,8 @@ def test_code_takes_the_last_python_block():
 
 def test_code_no_block_crash_and_hang():
     assert CODE("code", "a + b", ADD_TESTS) == {"score": 0.0, "format": 0.0, "pass_rate": 0.0,
-                                                "passed": 0.0, "total": 3.0, "verdict": "no_code"}
+                                                "passed": 0.0, "total": 3.0, "verdict": "no_code",
+                                                "sandbox_isolated": 1.0}
     assert CODE("code", fenced("raise ValueError"), ADD_TESTS)["verdict"] == "failed"
 
 

@@ -22,7 +22,7 @@ def sandbox():
 @pytest.fixture(scope="module")
 def hooked():
     """The fallback path, forced: no namespaces, the audit hook refuses sockets and writes."""
-    return Sandbox(max_concurrency=2, limits=LIMITS, network="hook", privileges="keep")
+    return Sandbox(max_concurrency=2, limits=LIMITS, network="hook", privileges="keep", allow_unisolated=True)
 
 
 def run(sandbox, code, **kwargs):

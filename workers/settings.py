@@ -148,6 +148,7 @@ class McpServerSettings:
     tools: tuple[str, ...] = ()  # the server's tools the model gets (() = all it lists)
     prefix: str = ""  # the model sees each tool as prefix + name
     startup_timeout_s: float = 30.0
+    inherit_env: bool = False  # the server gets this process's whole environment (else the MCP SDK's default)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ class AgentProgramSettings:
     max_connections: int = 64
     max_calls_per_episode: int = 128
     max_episode_tokens: int = 0
+    inherit_env: bool = False  # the agent gets this process's whole environment (else an allow-list + OPENAI_*)
 
 
 @dataclass(frozen=True)

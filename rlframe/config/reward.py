@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -42,6 +43,16 @@ class JudgeConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """The code sandbox (rlframe/reward/sandbox.py) that reward_fns/code.py and the python tool run generated code
+    in. It isolates as root (uid drop + namespaces) or, off root, in an unprivileged user namespace; where the kernel
+    allows neither, only a Python audit hook would stand between the code and this machine's files, so a reward
+    file that uses the sandbox is refused at the start unless this is true."""
+
+    allow_unisolated: bool = False
+
+
+@dataclass
 class RewardConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
     num_workers: int = bounded(2, ">= 0", "0: score in the driver process")  # processes scoring samples
@@ -67,6 +78,7 @@ class RewardConfig:
     # names the function and its first failure. 1.0: never stop (the failed samples get fallback_score).
     max_failure_rate: float = bounded(0.95, "[0, 1]", "1: never stop")
     max_failure_steps: int = bounded(3, ">= 1")
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # generated code's sandbox (reward_fns/code.py)
 
 
 @dataclass
@@ -107,6 +119,37 @@ def reward_functions_load(cfg, need) -> None:
             need(False, f"reward.functions[{i}]", str(error))
 
 
+def uses_sandbox(path: str) -> bool:
+    """Does this reward file run code in rlframe's sandbox (reward_fns/code.py, or a file importing it)?"""
+    try:
+        return "rlframe.reward.sandbox" in Path(path).read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def sandbox_isolates(cfg, need) -> None:
+    """A reward file that runs generated code in the sandbox: say which isolation this machine gives (the
+    console), and refuse to start where there is none unless reward.sandbox.allow_unisolated=true. The choice
+    reaches the reward worker processes (started later from this one) through RLFRAME_SANDBOX_ALLOW_UNISOLATED;
+    each code reward also reports reward/sandbox_isolated_mean (1: isolated) in the run's metrics."""
+    import logging
+
+    users = [f"reward.functions[{i}]" for i, fn in enumerate(cfg.reward.functions) if uses_sandbox(fn.path)]
+    if not users:
+        return
+    from rlframe.reward.sandbox import ALLOW_UNISOLATED_ENV, isolation_mode, unisolated_message
+
+    mode = isolation_mode()
+    logging.getLogger(__name__).info("%s run generated code in the sandbox: isolation mode %s (%s)", ", ".join(users),
+                                     mode, {"root": "uid drop + namespaces + allow-list root",
+                                            "userns": "unprivileged user namespace + allow-list root",
+                                            "none": "audit hook only: NOT isolated"}[mode])
+    if mode == "none" and cfg.reward.sandbox.allow_unisolated:
+        os.environ[ALLOW_UNISOLATED_ENV] = "1"
+    need(mode != "none" or cfg.reward.sandbox.allow_unisolated, "reward.sandbox.allow_unisolated",
+         f"{', '.join(users)}: " + unisolated_message({"mode": mode}))
+
+
 def reward_comes_from_elsewhere(cfg) -> bool:
     """No reward function is needed when a multi-turn environment or a reward model gives the reward."""
     mt = cfg.rollout.multi_turn
@@ -145,4 +188,4 @@ def judge_valid(cfg, need) -> None:
          "Fix: stage=rft, or remove reward.judge")
 
 
-CHECKS = (reward_model_resolves, reward_functions_load, judge_valid)
+CHECKS = (reward_model_resolves, reward_functions_load, judge_valid, sandbox_isolates)

@@ -27,12 +27,15 @@ class McpServerConfig:
 
     command: str = ""  # e.g. python (the interpreter rlframe runs in), npx, uvx
     args: list[str] = field(default_factory=list)  # relative paths of files resolve like tool paths
-    env: dict[str, str] = field(default_factory=dict)  # extra environment variables (the rest are inherited)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables (added to the MCP SDK's default)
     url: str = ""  # e.g. http://127.0.0.1:8931/mcp
     name: str = ""  # what errors call it; "" = the script's, command's or url's name
     tools: list[str] = field(default_factory=list)  # its tools the model gets; [] = every tool it lists
     prefix: str = ""  # the model sees each tool as prefix + name (two servers with the same tool names)
     startup_timeout_s: float = bounded(30.0, "> 0")  # to start and list its tools
+    # true: the server inherits rlframe's whole environment (HF/W&B/cloud keys included); false: the MCP SDK's
+    # default environment (HOME, LOGNAME, PATH, SHELL, TERM, USER) plus `env`
+    inherit_env: bool = False
 
 
 @dataclass
@@ -126,6 +129,9 @@ class AgentProgramConfig:
     # false: training samples at rollout.temperature/top_p/top_k whatever the agent asks (the trainer scores tokens at
     # that temperature); true: the request's temperature/top_p are used (rollout/logprob_abs_diff then measures that)
     sampling_from_request: bool = False
+    # true: the agent inherits rlframe's whole environment; false: an allow-list (workers/rollout/agent_program.py
+    # AGENT_ENV_ALLOW) plus the gateway's OPENAI_BASE_URL / OPENAI_API_KEY
+    inherit_env: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -258,6 +264,29 @@ def multi_turn_files_load(cfg, need) -> None:
     mcp_servers_list_their_tools(mt, need, names)
 
 
+def mcp_url_problem(url: str) -> str | None:
+    """An MCP url must be https://, or http:// to a loopback host (as the MCP SDK's guidance: no plain HTTP
+    across a network); None when fine."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return f"'{url}' is not an http(s) url. Fix: e.g. https://tools.example.com/mcp or http://127.0.0.1:8931/mcp"
+    if parsed.scheme == "https":
+        return None
+    host = parsed.hostname
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost" or host.endswith(".localhost")
+    if loopback:
+        return None
+    return (f"'{url}' is plain http to {host}, which is not this machine: tool calls and results would cross the "
+            "network unencrypted and unauthenticated. Fix: https://" + url[len("http://"):] +
+            " (or a loopback address: http://127.0.0.1:PORT/mcp)")
+
+
 def mcp_servers_list_their_tools(mt, need, names: dict[str, str]) -> None:
     """Each MCP server: a command or a url (http/https), started (or reached) here, its tools listed and their
     schemas checked, no tool name twice; stopped again (each rollout worker starts its own)."""
@@ -270,8 +299,9 @@ def mcp_servers_list_their_tools(mt, need, names: dict[str, str]) -> None:
             need(False, key, "give exactly one of command (a server rlframe starts over stdio) and url (a running "
                  "streamable-HTTP server). Fix: {command: python, args: [my_server.py]} or {url: http://127.0.0.1:8931/mcp}")
             continue
-        if server.url and not server.url.startswith(("http://", "https://")):
-            need(False, f"{key}.url", f"'{server.url}' is not an http(s) url. Fix: e.g. http://127.0.0.1:8931/mcp")
+        problem = server.url and mcp_url_problem(server.url)
+        if problem:
+            need(False, f"{key}.url", problem)
             continue
         try:
             servers, tools = start_mcp_tools([mcp_server_settings(server)], names, timeout_s=1.0)

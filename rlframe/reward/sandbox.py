@@ -23,15 +23,24 @@ machine:
 * ``netns``: its own network namespace (``unshare(CLONE_NEWNET)`` through libc; root, or an
   unprivileged user namespace): no interface but a downed loopback, so ``connect(("127.0.0.1", p))``
   fails with "Network is unreachable";
-* ``mountns`` (with ``uid``): its own mount namespace in which every mount is re-mounted read-only,
-  ``/tmp`` is a fresh empty tmpfs holding only the working directory (``/tmp/work``, the one
-  writable place), and ``/root`` and ``/home`` are hidden behind empty tmpfs (the interpreter's
-  own prefix is bound back read-only when it lives there);
-* ``audit_hook`` (the fallback when no namespace can be had, e.g. non-root without user
+* ``mountns`` + ``pidns`` + ``root``: its own mount and pid namespaces and a root built from an allow-list
+  (``_setup_root``): the interpreter, its standard library and libraries read-only, a fresh ``/proc``, and
+  ``/tmp/work``, the one writable place, a tmpfs of ``max_disk_bytes`` (not the host's ``/tmp``);
+* the mode (``Sandbox.mode``): "root" (all of the above with the uid drop), "userns" (not root: the same
+  namespaces and root inside an unprivileged user namespace that maps only the caller's uid to itself, as
+  bubblewrap does, so the program holds no capability once it execs), or "none";
+* ``audit_hook`` (mode "none", when no namespace can be had: non-root where the kernel refuses user
   namespaces): a ``sys.addaudithook`` installed before the program runs refuses socket creation
-  and connection, ``ctypes``, process spawning and opening files for writing outside the working
-  directory. This is a Python-level guard only (native code can get around it); prefer a machine
-  where the namespaces work.
+  and connection, ``ctypes``, process spawning, reading outside the working directory and the standard
+  library, writing, removing, renaming outside the working directory. This is a Python-level guard only
+  (native code can get around it): a Sandbox in this mode refuses to be made (``SandboxUnisolatedError``)
+  unless ``allow_unisolated=True`` (``reward.sandbox.allow_unisolated=true`` for a run).
+
+Memory and disk in total: each process ``memory_bytes`` of address space, at most
+``total_memory_bytes // memory_bytes`` processes (RLIMIT_NPROC: per uid as root, per user namespace in mode
+userns), and the working directory's tmpfs. A memory cgroup would bound resident memory more tightly; it is
+not used: on the machines this was built on the cgroup v2 hierarchy has no memory controller to delegate, so
+that path could not be tested.
 
 Always: a fresh temporary working directory, removed afterwards; an empty environment (``PATH``,
 ``HOME``, ``LANG`` only); the interpreter runs with ``-I -S`` (no site-packages, no user site, no
@@ -67,6 +76,11 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# statvfs f_flag bit -> the mount flag a remount must keep (a user namespace may not drop a locked flag)
+_KEPT_FLAGS = ((2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, MS_NOATIME), (2048, MS_NODIRATIME),
+               (4096, MS_RELATIME))
+WORK_INODES = 4096  # files and folders the program may create in its working directory
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 _PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
@@ -77,18 +91,32 @@ _USERNS_SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435, 308), "aarch64": (0xC00
 # hook first when that fallback is active. %(hook)s is replaced by the hook or by nothing.
 _AUDIT_HOOK = r'''
 import os as _os, sys as _sys
-def _rlframe_guard(event, args, _root=_os.getcwd(), _real=_os.path.realpath):
+def _rlframe_guard(event, args, _root=_os.getcwd(), _real=_os.path.realpath,
+                   _readable=(_os.path.dirname(_os.__file__), "/dev/null", "/dev/urandom", "/dev/zero")):
+    def inside(path, roots):
+        if isinstance(path, int):  # a file descriptor the program already holds
+            return True
+        path = _real(path.decode() if isinstance(path, bytes) else _os.fspath(path))
+        return any(path == root or path.startswith(root + "/") for root in roots)
     if event in ("socket.__new__", "socket.connect", "socket.bind", "socket.sendto",
                  "socket.getaddrinfo", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
                  "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                 "os.fork", "os.forkpty"):
+                 "os.fork", "os.forkpty", "os.kill", "os.killpg", "mmap.__new__"):
         raise PermissionError(f"sandbox: {event} is not allowed")
     if event == "open" and isinstance(args[0], (str, bytes)):
         mode, flags = args[1], args[2]
         writing = (mode is not None and any(c in mode for c in "wax+")) or (flags & 3) != 0
-        path = args[0].decode() if isinstance(args[0], bytes) else args[0]
-        if writing and not (_real(path) + "/").startswith(_root + "/"):
-            raise PermissionError(f"sandbox: writing {path} (outside the working directory)")
+        if not inside(args[0], (_root,) if writing else (_root, *_readable)):
+            raise PermissionError(f"sandbox: {'writing' if writing else 'reading'} {args[0]!r} "
+                                  "(outside the working directory)")
+    if event in ("os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
+                 "os.chflags", "os.setxattr", "os.removexattr", "os.listdir", "os.scandir", "os.mkfifo",
+                 "os.mknod", "os.chdir") and args and not inside(args[0], (_root, _readable[0])
+                                                                   if event in ("os.listdir", "os.scandir", "os.chdir")
+                                                                   else (_root,)):
+        raise PermissionError(f"sandbox: {event} of {args[0]!r} (outside the working directory)")
+    if event in ("os.rename", "os.link", "os.symlink") and not all(inside(p, (_root,)) for p in args[:2]):
+        raise PermissionError(f"sandbox: {event} of {args[0]!r} -> {args[1]!r} (outside the working directory)")
 _sys.addaudithook(_rlframe_guard)
 del _rlframe_guard
 '''
@@ -139,19 +167,38 @@ def _pivot_root(new_root: str) -> None:
     os.chdir("/")
 
 
+def _kept_flags(path: str) -> int:
+    """The flags of the mount `path` is on that a read-only remount must repeat: in a user namespace the kernel
+    refuses to drop nosuid, nodev, noexec or the atime flags of a mount it inherited (they are locked)."""
+    have = os.statvfs(path).f_flag
+    return sum(flag for bit, flag in _KEPT_FLAGS if have & bit)
+
+
 def _bind_read_only(fd: int, target: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
     _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
-    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags | _kept_flags(target))
 
 
-def _setup_root(workdir: str, allowed: list[list], hidden: list[str]) -> None:
+def _map_ids(uid: int, gid: int) -> None:
+    """In a user namespace just made by an unprivileged process: map our own uid and gid to themselves (as
+    bubblewrap does), so that the program runs there as the caller's uid, not as root, and holds no capability
+    once it execs. setgroups is denied first (the kernel's condition for an unprivileged gid_map)."""
+    for name, text in (("uid_map", f"{uid} {uid} 1\n"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1\n")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def _setup_root(workdir: str, allowed: list[list], hidden: list[str], cfg: dict) -> None:
     """A root of our own, built from the allow-list: an empty tmpfs holding only `allowed` ((path, kind)
     pairs: "dir", "file" or "device"; bound read-only at their own paths), `hidden` (empty, read-only
-    tmpfs over those paths, e.g. the standard library's site-packages), /proc (mounted by the program's
-    launcher in its pid namespace) and /tmp/work = the working directory, the one writable place.
-    Nothing else of the host is reachable: no /etc, no /home, no training data."""
+    tmpfs over those paths, e.g. the standard library's site-packages), a fresh /proc (this process is pid 1
+    of its own pid namespace: it shows only the program's processes) and /tmp/work, the one writable place: a
+    tmpfs of its own of ``max_disk_bytes`` (and WORK_INODES files) holding a copy of the program, owned by the
+    program's uid. Nothing else of the host is reachable: no /etc, no /home, no training data, no host /tmp.
+    The same code builds it as root and in an unprivileged user namespace."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    work_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    with open(os.path.join(workdir, PROGRAM_NAME), "rb") as f:
+        program = f.read()
     sources = [(path, kind, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path, kind in allowed]
     new_root = "/tmp"  # (in this private mount namespace; every source is held open above)
     _mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
@@ -168,10 +215,19 @@ def _setup_root(workdir: str, allowed: list[list], hidden: list[str]) -> None:
         if os.path.isdir(new_root + path):
             _mount("tmpfs", new_root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=755")
     os.makedirs(new_root + "/proc", 0o555)
-    os.makedirs(new_root + WORKDIR_IN_SANDBOX, 0o755)
-    _mount(f"/proc/self/fd/{work_fd}", new_root + WORKDIR_IN_SANDBOX, None, MS_BIND)
-    _mount(None, new_root + WORKDIR_IN_SANDBOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)  # rw
-    os.close(work_fd)
+    try:  # (mounted before the pivot: in a user namespace the kernel wants the host's /proc still in view)
+        _mount("proc", new_root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass  # no /proc at all then: nothing of the host's shows either
+    work = new_root + WORKDIR_IN_SANDBOX
+    os.makedirs(work, 0o755)
+    owner = cfg["uid"] if cfg["uid"] is not None else os.getuid()
+    group = cfg["gid"] if cfg["gid"] is not None else os.getgid()
+    _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={cfg['max_disk_bytes']},nr_inodes={WORK_INODES},mode=700,uid={owner},gid={group}")
+    with open(os.path.join(work, PROGRAM_NAME), "wb") as f:
+        f.write(program)
+    os.chown(os.path.join(work, PROGRAM_NAME), owner, group)
     _pivot_root(new_root)
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
@@ -230,13 +286,8 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
-def _become_program(cfg: dict, workdir: str, new_pid_namespace: bool) -> None:
+def _become_program(cfg: dict, workdir: str) -> None:
     """Apply the limits, drop the uid and exec the interpreter on the program."""
-    if new_pid_namespace:
-        try:  # a /proc of our own: the program sees only its own processes
-            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        except OSError:
-            pass
     _set_limits(cfg)
     if cfg["uid"] is not None:
         os.setgroups([])
@@ -255,24 +306,27 @@ def _become_program(cfg: dict, workdir: str, new_pid_namespace: bool) -> None:
 def _launch(cfg: dict) -> None:
     """Set up the isolation, then run the program. Never returns.
 
-    With namespaces (root): unshare net + mount + pid namespaces, build the mount tree, fork the
-    program as pid 1 of the new pid namespace, wait for it and exit as it did. When that pid 1
-    exits (or is killed, or the launcher dies: PDEATHSIG, which the launcher also sets for
-    itself against its parent's death), the kernel kills and reaps every
-    process left in the namespace -- no orphan, no zombie, even after ``setsid``.
+    With namespaces (mode "root", or "userns": an unprivileged user namespace, mapped to our own uid): unshare
+    net + mount + pid namespaces, fork the program as pid 1 of the new pid namespace, which builds the mount
+    tree and execs; the launcher waits for it and exits as it did. When that pid 1 exits (or is killed, or the
+    launcher dies: PDEATHSIG, which the launcher also sets for itself against its parent's death), the kernel
+    kills and reaps every process left in the namespace -- no orphan, no zombie, even after ``setsid``.
     """
     try:
         _die_with_parent()
         if os.getppid() != cfg["parent_pid"]:
             raise OSError("the parent process is gone")
-        if cfg["netns"] and cfg["mountns"]:
-            if not _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID):
-                raise OSError("unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID) failed")
-            _setup_root(cfg["host_workdir"], cfg["allowed"], cfg["hidden"])
+        if cfg["mode"] in ("root", "userns"):
+            flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | (CLONE_NEWUSER if cfg["mode"] == "userns" else 0)
+            if not _unshare(flags):
+                raise OSError(f"unshare({flags:#x}) failed")
+            if cfg["mode"] == "userns":
+                _map_ids(os.getuid(), os.getgid())
             pid = os.fork()
             if pid == 0:
                 try:
-                    _become_program(cfg, WORKDIR_IN_SANDBOX, new_pid_namespace=True)
+                    _setup_root(cfg["host_workdir"], cfg["allowed"], cfg["hidden"], cfg)
+                    _become_program(cfg, WORKDIR_IN_SANDBOX)
                 except BaseException as exc:  # noqa: BLE001
                     os.write(2, f"rlframe sandbox launcher failed: {type(exc).__name__}: "
                                 f"{exc}\n".encode())
@@ -284,9 +338,9 @@ def _launch(cfg: dict) -> None:
                 signal.signal(sig, signal.SIG_DFL)
                 os.kill(os.getpid(), sig)
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-        if cfg["netns"] and not _unshare(CLONE_NEWNET | (CLONE_NEWUSER if cfg["userns"] else 0)):
+        if cfg["netns"] and not _unshare(CLONE_NEWNET):
             raise OSError("unshare(CLONE_NEWNET) failed")
-        _become_program(cfg, cfg["host_workdir"], new_pid_namespace=False)
+        _become_program(cfg, cfg["host_workdir"])
     except BaseException as exc:  # noqa: BLE001 -- report anything, then exit with our code
         os.write(2, f"rlframe sandbox launcher failed: {type(exc).__name__}: {exc}\n".encode())
         os._exit(LAUNCH_ERROR_EXIT)
@@ -311,6 +365,31 @@ from dataclasses import dataclass, replace  # noqa: E402
 from rlframe.reward.sandbox_host import _kill_uid, _probe, _processes_of_uid, _uid_mapped, allow_list  # noqa: E402
 
 PASSED, FAILED, TIMEOUT, ERROR = "passed", "failed", "timeout", "error"
+ALLOW_UNISOLATED_ENV = "RLFRAME_SANDBOX_ALLOW_UNISOLATED"  # set from reward.sandbox.allow_unisolated
+ISOLATED_MODES = ("root", "userns")
+
+
+class SandboxUnisolatedError(RuntimeError):
+    """No isolating mode on this machine and running unisolated was not allowed."""
+
+
+def unisolated_message(isolation: dict) -> str:
+    return ("the code sandbox cannot isolate programs on this machine (not root, and the kernel refuses an "
+            "unprivileged user namespace: see /proc/sys/kernel/unprivileged_userns_clone, "
+            "/proc/sys/user/max_user_namespaces, AppArmor's apparmor_restrict_unprivileged_userns): generated code "
+            "would run with only a Python audit hook, able to read this machine's files (/etc, the checkout, the "
+            f"training data) and other processes' environments. Isolation available: {isolation}. Fix: run as root "
+            "or where user namespaces are allowed; or accept the risk with reward.sandbox.allow_unisolated=true "
+            f"(environment {ALLOW_UNISOLATED_ENV}=1; Sandbox(allow_unisolated=True) in code)")
+
+
+def isolation_mode() -> str:
+    """The mode a default Sandbox gets on this machine: root, userns or none (asked in throwaway processes)."""
+    return Sandbox._choose_mode("auto", "auto")
+
+
+def allowed_unisolated_by_environment() -> bool:
+    return os.environ.get(ALLOW_UNISOLATED_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass(frozen=True)
@@ -322,6 +401,10 @@ class SandboxLimits:
     max_file_bytes: int = 16 << 20        # RLIMIT_FSIZE
     max_open_files: int = 64
     max_output_bytes: int = 64 << 10      # each of stdout and stderr
+    # All of one execution's processes together (Sandbox.isolation["memory"]): RLIMIT_NPROC is lowered so that
+    # processes x memory_bytes stays within it (no memory cgroup is used: see the module docstring).
+    total_memory_bytes: int = 4 << 30
+    max_disk_bytes: int = 64 << 20        # the working directory's tmpfs (all files together), with namespaces
 
 
 @dataclass
@@ -359,7 +442,7 @@ class Sandbox:
 
     def __init__(self, max_concurrency: int = 4, limits: SandboxLimits | None = None, *,
                  network: str = "auto", privileges: str = "auto",
-                 uid_base: int = DEFAULT_UID_BASE):
+                 uid_base: int = DEFAULT_UID_BASE, allow_unisolated: bool | None = None):
         if not 1 <= max_concurrency <= 256:
             raise ValueError(f"max_concurrency must be in [1, 256], got {max_concurrency}")
         if network not in ("auto", "hook") or privileges not in ("auto", "keep"):
@@ -372,35 +455,61 @@ class Sandbox:
         self._launcher = os.path.abspath(__file__)
         # The program's interpreter: the base installation, outside any virtualenv (-S anyway).
         self._python = os.path.realpath(sys.executable)
-        root = os.geteuid() == 0
-        self._drop_uid = root and privileges == "auto"
+        self.mode = self._choose_mode(network, privileges)
+        self._drop_uid = self.mode == "root"
         highest = uid_base + (2 ** 22) * 256  # pid_max is at most 2**22
         self._unique_uids = self._drop_uid and highest < 2 ** 32 - 1 and _uid_mapped(highest)
         self._uid_base = uid_base
-        self._userns = False
-        if network == "hook":
-            self._netns = False
-        elif self._drop_uid:
-            self._netns = _probe(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
-        else:
-            self._netns = _probe(CLONE_NEWNET)
-            if not self._netns:
-                self._userns = self._netns = _probe(CLONE_NEWUSER | CLONE_NEWNET)
-        self._mountns = self._netns and self._drop_uid
-        self._audit_hook = not self._netns
+        self._mountns = self.mode in ISOLATED_MODES
+        self._netns = self._mountns or (network == "auto" and os.geteuid() == 0 and _probe(CLONE_NEWNET))
+        self._audit_hook = not self._mountns
         self._allowed, self._hidden = allow_list(self._python) if self._mountns else ([], [])
         self._no_userns = os.uname().machine in _USERNS_SYSCALLS
         self.isolation = {
+            "mode": self.mode,  # root | userns | none (then only the audit hook guards the host's files)
             "rlimits": True,
             "uid": (f"per-execution uid from {uid_base}" if self._unique_uids
-                    else "nobody (65534)" if self._drop_uid else False),
-            "netns": ("user+net namespace" if self._userns else self._netns),
+                    else "nobody (65534)" if self._drop_uid
+                    else f"own uid {os.getuid()} in a user namespace" if self.mode == "userns" else False),
+            "userns": self.mode == "userns",
+            "netns": self._netns,
             "mountns": self._mountns,
             "pidns": self._mountns,
             "root": "allow-list (interpreter, standard library, /dev/null)" if self._mountns else False,
             "no_userns": "seccomp" if self._no_userns else False,
             "audit_hook": self._audit_hook,
+            "memory": self._memory_cap(self.limits),
+            "disk": (f"tmpfs of {self.limits.max_disk_bytes} bytes" if self._mountns
+                     else f"{self.limits.max_file_bytes} bytes per file only"),
         }
+        if allow_unisolated is None:
+            allow_unisolated = allowed_unisolated_by_environment()
+        if not self.isolated and not allow_unisolated:
+            raise SandboxUnisolatedError(unisolated_message(self.isolation))
+
+    @property
+    def isolated(self) -> bool:
+        """True when programs run in an allow-list root of their own (mode root or userns)."""
+        return self.mode in ISOLATED_MODES
+
+    @staticmethod
+    def _choose_mode(network: str, privileges: str) -> str:
+        """root (uid drop + namespaces), userns (an unprivileged user namespace giving the same namespaces and
+        root), or none; network="hook" forces none, privileges="keep" rules out the uid drop (root keeps root)."""
+        if network == "hook":
+            return "none"
+        namespaces = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID
+        if os.geteuid() == 0:
+            return "root" if privileges == "auto" and _probe(namespaces) else "none"
+        return "userns" if _probe(CLONE_NEWUSER | namespaces) else "none"
+
+    def _process_cap(self, limits: SandboxLimits) -> int:
+        """Processes (threads too) one execution may have: max_processes, fewer where the total memory needs it."""
+        return max(1, min(limits.max_processes, limits.total_memory_bytes // max(limits.memory_bytes, 1)))
+
+    def _memory_cap(self, limits: SandboxLimits) -> str:
+        n = self._process_cap(limits)
+        return f"rlimit: {n} processes x {limits.memory_bytes} bytes address space"
 
     # ---------------------------------------------------------------- running
 
@@ -433,11 +542,14 @@ class Sandbox:
         return NOBODY
 
     def _nproc_limit(self, uid: int | None, limits: SandboxLimits) -> int:
+        cap = self._process_cap(limits)
         if uid is not None and self._unique_uids:
-            return limits.max_processes
+            return cap
+        if self.mode == "userns":  # a user namespace of its own counts its own processes (the launcher too)
+            return cap + 1
         # Shared uid (nobody, or our own): the limit counts that uid's other processes too.
         current = len(_processes_of_uid(os.getuid() if uid is None else uid))
-        return current + limits.max_processes
+        return current + cap
 
     def _run_in_slot(self, slot: int, code: str, stdin: str, expected_stdout: str | None,
                      limits: SandboxLimits) -> SandboxResult:
@@ -452,13 +564,14 @@ class Sandbox:
                 os.chown(workdir, uid, uid)
                 os.chmod(workdir, 0o700)
             cfg = {"python": self._python, "parent_pid": os.getpid(), "host_workdir": workdir, "uid": uid, "gid": uid,
-                   "netns": self._netns, "userns": self._userns, "mountns": self._mountns,
+                   "mode": self.mode, "netns": self._netns,
                    "audit_hook": self._audit_hook, "allowed": self._allowed, "hidden": self._hidden,
                    "no_userns": self._no_userns,
                    "cpu_time_s": max(1, math.ceil(limits.cpu_time_s)),
                    "memory_bytes": int(limits.memory_bytes),
                    "max_file_bytes": int(limits.max_file_bytes),
                    "max_open_files": int(limits.max_open_files),
+                   "max_disk_bytes": int(limits.max_disk_bytes),
                    "nproc_limit": self._nproc_limit(uid, limits)}
             with tempfile.TemporaryFile() as stdin_file:  # a file: no pipe to keep fed
                 stdin_file.write(stdin.encode("utf-8", "replace"))

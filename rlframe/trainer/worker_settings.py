@@ -166,7 +166,8 @@ def agent_program_settings(cfg: RLConfig) -> AgentProgramSettings | None:
                                 record_dir=os.path.join(os.path.abspath(run_dir), "gateway") if run_dir else None,
                                 allow_remote=ap.allow_remote, max_body_bytes=ap.max_body_bytes,
                                 read_timeout_s=ap.read_timeout_s, max_connections=ap.max_connections,
-                                max_calls_per_episode=ap.max_calls_per_episode, max_episode_tokens=ap.max_episode_tokens)
+                                max_calls_per_episode=ap.max_calls_per_episode, max_episode_tokens=ap.max_episode_tokens,
+                                inherit_env=ap.inherit_env)
 
 
 def multi_turn_settings(cfg: RLConfig) -> MultiTurnSettings | None:

@@ -51,6 +51,16 @@ from rlframe.workers.rollout.gateway_engines import CallParams, request_engine
 from rlframe.workers.rollout.tools import get_parser
 
 logger = logging.getLogger(__name__)
+# What an agent inherits of this process's environment (with agent_program.inherit_env=false): the MCP SDK's default
+# list, the locale, temp folder and Python path; then the gateway's OPENAI_BASE_URL / OPENAI_API_KEY are added.
+AGENT_ENV_ALLOW = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+                   "PYTHONPATH", "VIRTUAL_ENV", "NO_PROXY", "no_proxy")
+
+
+def agent_environment(inherit: bool, **added: str) -> dict[str, str]:
+    """An agent's environment: the allow-list's variables (or, with `inherit`, all) of ours, plus `added`."""
+    base = dict(os.environ) if inherit else {k: v for k, v in os.environ.items() if k in AGENT_ENV_ALLOW}
+    return {**base, **added}
 
 
 @dataclass
@@ -113,7 +123,7 @@ class AgentEpisodes:
         rows = [self.agent_row(i, prompt_ids[i], None if env_rows is None else env_rows[i]) for i in range(len(runs))]
         url = gateway.start()
         # a function agent: episodes forked from one server that imported the client libraries once (per rollout)
-        self.forks = None if self.program.command else ForkServer(dict(os.environ))
+        self.forks = None if self.program.command else ForkServer(agent_environment(self.program.inherit_env))
         try:
             self.drive(gateway, engine, runs, rows, url)
         finally:
@@ -158,8 +168,8 @@ class AgentEpisodes:
     def start(self, run: AgentRun, row: dict, url: str) -> None:
         """The agent's process, in a new session (its own process group), with the episode's key and the endpoint."""
         run.folder = tempfile.mkdtemp(prefix="rlframe-episode-")
-        env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": run.episode.key,
-               "RLFRAME_EPISODE_ROW": str(run.episode.row)}
+        env = agent_environment(self.program.inherit_env, OPENAI_BASE_URL=url, OPENAI_API_KEY=run.episode.key,
+                                RLFRAME_EPISODE_ROW=str(run.episode.row))
         env["NO_PROXY"] = ",".join(filter(None, [env.get("NO_PROXY", ""), "127.0.0.1", "localhost"]))
         files = {name: os.path.join(run.folder, name) for name in ("stdin.json", "stdout.txt", "stderr.txt")}
         run.started = time.monotonic()

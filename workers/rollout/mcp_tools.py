@@ -13,8 +13,11 @@ same deadline (`tool_timeout_s`) and the same error observations as file tools: 
 Processes: a stdio server runs in its own session (the SDK's choice); we start it through a one-line launcher
 that asks Linux to send it SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG), so a rollout worker
 killed by Ray (SIGKILL: no atexit) leaves no server behind. `close()` stops it the SDK's way (stdin closed, then
-SIGTERM, SIGKILL). The server inherits this process's environment plus `env`; `command: python` is the
-interpreter rlframe runs in.
+SIGTERM, SIGKILL). `command: python` is the interpreter rlframe runs in.
+
+Environment: a stdio server gets the MCP SDK's default environment (`get_default_environment()`: HOME, LOGNAME,
+PATH, SHELL, TERM, USER on POSIX) plus the entry's `env` -- not this process's whole environment, whose HF, W&B and
+cloud keys would otherwise reach third-party `npx`/`uvx` servers; `inherit_env: true` opts into full inheritance.
 """
 
 from __future__ import annotations
@@ -70,7 +73,16 @@ def mcp_server_settings(server):
     return McpServerSettings(name=server.name, command=command, args=tuple(resolved(a) for a in server.args),
                              env=tuple(sorted((str(k), str(v)) for k, v in (server.env or {}).items())),
                              url=server.url, tools=tuple(server.tools), prefix=server.prefix,
-                             startup_timeout_s=float(server.startup_timeout_s))
+                             startup_timeout_s=float(server.startup_timeout_s),
+                             inherit_env=bool(getattr(server, "inherit_env", False)))
+
+
+def server_environment(spec) -> dict[str, str]:
+    """A stdio server's environment: the MCP SDK's safe default (+ `env`), or with `inherit_env` ours (+ `env`)."""
+    from mcp.client.stdio import get_default_environment
+
+    base = dict(os.environ) if getattr(spec, "inherit_env", False) else get_default_environment()
+    return {**base, **dict(spec.env)}
 
 
 def describe(exc: BaseException) -> str:
@@ -164,7 +176,7 @@ class McpServer:
         command, args = self.spec.command, list(self.spec.args)
         if sys.platform.startswith("linux"):
             command, args = sys.executable, ["-S", "-c", _LAUNCHER, str(os.getpid()), command, *args]
-        params = StdioServerParameters(command=command, args=args, env={**os.environ, **dict(self.spec.env)})
+        params = StdioServerParameters(command=command, args=args, env=server_environment(self.spec))
         return stdio_client(params, errlog=self.stderr)
 
     async def _list_tools(self) -> list:
