@@ -29,7 +29,8 @@ def test_fuzzed_gateway_answers_every_request_counts_it_and_the_step_completes(e
     runner = episodes_runner(engine, tiny_model_dir, tmp_path / "record", path=str(agent), name="fuzz",
                              episode_timeout_s=60.0, max_concurrent_episodes=2, max_tokens_per_call=2,
                              sampling_from_request=False, read_timeout_s=0.5, max_connections=32,
-                             max_calls_per_episode=400)
+                             max_calls_per_episode=400,
+                             inherit_env=True)  # (GATEWAY_TEST_OUT, GATEWAY_FUZZ_*: not on the agents' allow-list)
     threads = threading.active_count()
     start = time.monotonic()
     out = runner.run(prompt_batch(engine[1], 2, engine[3]), SamplingSettings(max_new_tokens=32), {"step": 1})
