@@ -403,7 +403,11 @@ def chat_tab(board: Board, L: Labels) -> dict:
 
     def on_send(history, message, max_new_tokens, temperature):
         try:
-            return board.chat(history or [], message, int(max_new_tokens or 64), float(temperature or 0)), "", ""
+            try:
+                tokens, temp = int(max_new_tokens or 64), float(temperature or 0)
+            except (TypeError, ValueError, OverflowError):
+                raise BoardError(f"max new tokens={max_new_tokens}, temperature={temperature}: numbers, please") from None
+            return board.chat(history or [], message or "", tokens, temp), "", ""
         except BoardError as err:
             return history, message, error_text(err)
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import time
@@ -31,6 +32,9 @@ DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")
 ARG = re.compile(r"^[+~]?[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=[^\x00\n\r]*$")
 FLAGS = {"rlframe.export": ("--merge",)}
 POSITIONAL = {"rlframe.export": 2}  # checkpoint and out folder
+MAX_REWARD_BYTES = 1 << 20  # an uploaded reward file (Python source)
+SHIPPED = ("reward_fns", "recipes", "examples")  # the project's own folders a path may name besides the workspace
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
 
 class BoardError(ValueError):
@@ -84,6 +88,9 @@ def keep_upload(src: str | Path, workspace: Path, kind: str) -> Path:
         raise BoardError(f"{src.name}: the loader reads {', '.join(DATA_SUFFIXES)} files. "
                          "Fix: save the data in one of those formats (rlframe/data/files.py)")
     if kind == "reward":
+        if src.stat().st_size > MAX_REWARD_BYTES:
+            raise BoardError(f"{src.name} is larger than {MAX_REWARD_BYTES >> 20} MiB: not a reward file. "
+                             "Fix: upload the .py file that defines your reward function")
         check_python(src)
     folder = workspace / "uploads"
     folder.mkdir(parents=True, exist_ok=True)
@@ -110,3 +117,51 @@ def checked_argv(entry: str, args: list[str]) -> list[str]:
             raise BoardError(f"argument '{arg[:80]}' is not of the form key=value. "
                              "Fix: write settings as key=value (e.g. trainer.total_steps=2)")
     return [sys.executable, "-m", entry, *args]
+
+
+def shipped_roots() -> list[Path]:
+    """The project's own folders (reward_fns/, recipes/, examples/) that exist here, resolved."""
+    from rlframe.main import shipped_dir
+
+    return [shipped_dir(name).resolve() for name in SHIPPED if shipped_dir(name).is_dir()]
+
+
+def confined(value: str, roots: list[Path], what: str) -> Path:
+    """`value` (absolute, or relative to the working directory) as a path inside one of `roots`, with no symbolic
+    link from the root down to it (`..` is resolved by its text, not through links); BoardError otherwise."""
+    raw = Path(str(value).strip()).expanduser()
+    path = Path(os.path.normpath(raw if raw.is_absolute() else Path.cwd() / raw))
+    root = next((r for r in roots if path == r or r in path.parents), None)
+    if root is None:
+        raise BoardError(f"{what} '{value}' is outside the folders the board reads ({', '.join(str(r) for r in roots)}"
+                         "). Fix: upload the file, or pick a run or export of the workspace (the board reads no "
+                         "other path of this machine)")
+    node = root
+    for part in path.relative_to(root).parts:
+        node = node / part
+        if node.is_symlink():
+            raise BoardError(f"{what} '{value}': {node} is a symbolic link, which the board does not follow. "
+                             "Fix: copy the files into the workspace")
+    return path
+
+
+def no_links_inside(folder: Path, what: str) -> None:
+    """BoardError when any entry under `folder` is a symbolic link (the board copies and reads no link)."""
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            if (Path(top) / name).is_symlink():
+                raise BoardError(f"{what}: {Path(top) / name} is a symbolic link, which the board does not follow. "
+                                 "Fix: replace it with the file itself")
+
+
+def model_or_path(value: str, roots: list[Path], what: str) -> str:
+    """A model folder confined to `roots` (no link on the way or inside), or a hub id / embedded model name that
+    names no local path (`org/name`, `smollm2-135m-instruct`)."""
+    value = str(value).strip()
+    local = Path(value).expanduser()
+    if HUB_ID.match(value) and not local.exists() and ".." not in value:
+        return value
+    path = confined(value, roots, what)
+    if path.is_dir():
+        no_links_inside(path, what)
+    return str(path)
