@@ -67,6 +67,7 @@ def serve(args: argparse.Namespace, block: bool = True):
 
     board = Board(workspace)
     app = build_app(board, args.lang)
+    app.board_login = login  # (the sessions and failed tries, for whoever holds the app)
     guard = Middleware(Guard, login=login, hosts=allowed_hosts(args.host, args.allowed_host), port=args.port,
                        secure=tls)
     scheme = "https" if tls else "http"
