@@ -231,3 +231,30 @@ def test_yaml_box_does_not_interpolate(board):
     trainer = yaml.safe_load(shown)["trainer"]
     assert trainer["project_name"] == "${oc.env:HOME}" != os.environ.get("HOME")
     assert trainer["experiment_name"] == "a ${trainer.project_name} b"
+
+
+def test_https_with_the_given_certificate(tmp_path):
+    from rlframe.board.__main__ import parse, serve
+    from rlframe.board.security import BoardError
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    with pytest.raises(BoardError, match="needs both --ssl-certfile and --ssl-keyfile"):
+        serve(parse(["--ssl-certfile", str(cert), "--workspace", str(tmp_path / "ws")]), block=False)
+    port = free_port()
+    app, url = serve(parse(["--port", str(port), "--workspace", str(tmp_path / "ws"), "--ssl-certfile", str(cert),
+                            "--ssl-keyfile", str(key)]), block=False)
+    try:
+        assert url.startswith(f"https://127.0.0.1:{port}/?token=")
+        with httpx.Client(verify=False, timeout=30) as browser:
+            assert browser.get(f"https://127.0.0.1:{port}/config").status_code == 401
+            r = browser.get(url)
+            assert r.status_code == 303 and "; Secure" in r.headers["set-cookie"]
+            assert browser.get(f"https://127.0.0.1:{port}/config").status_code == 200
+            with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
+                httpx.get(f"http://127.0.0.1:{port}/config", timeout=5)
+    finally:
+        app.close()
