@@ -178,6 +178,19 @@ def test_preview_starts_no_mcp_server_and_no_agent_command(board, tiny_model_dir
     assert not (board["ws"] / "runs" / "preview-run").exists()
 
 
+def test_preview_imports_no_tool_file(board, tiny_model_dir, tmp_path):
+    client, marker = board["client"], tmp_path / "tool-imported"
+    tool = board["ws"] / "uploads" / "side_effect_tool.py"
+    tool.write_text(f"open({str(marker)!r}, 'w').close()\n\ndef calc(expression: str) -> str:\n    return expression\n")
+    for name, expected in (("calc", None), ("nope", "defines no 'nope' (it defines: calc)")):
+        text = (f"rollout:\n  multi_turn:\n    enable: true\n    tools:\n    - path: {tool}\n      name: {name}\n")
+        values = form(model_source="folder", model_path=str(tiny_model_dir), extra_yaml=text)
+        validation, _, _, _ = call(client, "on_preview", ["tool-run", *values])
+        assert not marker.exists(), validation
+        if expected:
+            assert expected in validation and "rollout.multi_turn.tools[0]" in validation
+
+
 # ------------------------------------------------------------------ paths, links, caps, interpolation
 
 
