@@ -70,14 +70,20 @@ def test_help_text_is_the_schemas_own_comment():
     assert key_help("no.such.key") == "no.such.key"
 
 
-def test_bind_rules_and_checked_arguments():
-    assert bind_rules("127.0.0.1", None)[0] is None
-    with pytest.raises(BoardError, match="needs --auth"):
-        bind_rules("0.0.0.0", None)
-    assert bind_rules("0.0.0.0", "me:long-password")[0] == [("me", "long-password")]
-    assert bind_rules("0.0.0.0", "a-long-token")[0] == [("rlframe", "a-long-token")]
+def test_bind_rules_and_checked_arguments(tmp_path, monkeypatch):
+    from rlframe.board.login import PASSWORD_ENV, read_password
+
+    assert bind_rules("127.0.0.1") == "" and bind_rules("0.0.0.0", tls=True) == ""
+    assert "serves plain HTTP to the network" in bind_rules("0.0.0.0")  # a login always; the warning names the tunnel
+    with pytest.raises(BoardError, match="--auth puts the password on the command line"):
+        bind_rules("127.0.0.1", "me:long-password")
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    assert read_password(None) is None
+    (tmp_path / "pw").write_text("long-password\n")
+    assert read_password(str(tmp_path / "pw")) == "long-password"
+    monkeypatch.setenv(PASSWORD_ENV, "short")
     with pytest.raises(BoardError, match="8 characters"):
-        bind_rules("0.0.0.0", "me:short")
+        read_password(None)
     assert checked_argv("rlframe.main", ["recipe=grpo_math"])[1:] == ["-m", "rlframe.main", "recipe=grpo_math"]
     for entry, args in (("os", []), ("rlframe.main", ["; rm -rf /"]), ("rlframe.main", ["--flag"]),
                         ("rlframe.export", ["a", "b", "--dtype=x"])):
@@ -239,10 +245,10 @@ def test_board_in_a_browser(browser, tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ws = tmp_path / "ws"
     port = free_port()
-    app, _ = serve(parse(["--port", str(port), "--workspace", str(ws)]), block=False)
+    app, login_url = serve(parse(["--port", str(port), "--workspace", str(ws)]), block=False)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        page.goto(f"http://127.0.0.1:{port}/")
+        page.goto(login_url)  # the printed URL: its token sets the session cookie, then the page
         page.wait_for_selector("#preview")
         for name, text in (("not_python.txt", "hello"), ("raises.py", RAISING_REWARD), ("slow.py", SLOW_REWARD),
                            ("no_prompt.jsonl", '{"x": 1, "y": 2}\n')):

@@ -17,7 +17,16 @@ from rlframe.board.datafiles import inspect_data
 from rlframe.board.forms import TrainForm, form_overrides, train_args
 from rlframe.board.launcher import Launcher
 from rlframe.board.preview import Preview, run_preview
-from rlframe.board.security import BoardError, check_python, clean_name, keep_upload
+from rlframe.board.security import (
+    BoardError,
+    check_python,
+    clean_name,
+    confined,
+    keep_upload,
+    model_or_path,
+    no_links_inside,
+    shipped_roots,
+)
 from rlframe.board.tools import (
     ChatModel,
     error_lines,
@@ -28,6 +37,8 @@ from rlframe.board.tools import (
 )
 
 RECIPE_REWARD = "(the recipe's own)"
+MAX_NEW_TOKENS = 1024  # Chat's longest answer
+MAX_CHAT_CHARS = 32_000  # the conversation's text (the message and the history the page sends)
 
 
 def error_text(err: BaseException) -> str:
@@ -175,26 +186,43 @@ class Board:
         return runs_mod.report_html(self.run_dir(run_name)) if run_name else ""
 
     # ---------------------------------------------------------------- evaluate, export, chat
+    def roots(self, shipped: bool = False) -> list[Path]:
+        """Where the Evaluate, Chat and Export paths may point: the workspace (and the project's own folders)."""
+        return [self.workspace, *(shipped_roots() if shipped else [])]
+
     def target_path(self, value: str) -> str:
-        """A run name of this workspace -> its folder; anything else as given (a folder path)."""
+        """A run name of this workspace -> its folder; a folder path inside the workspace; or a hub id / embedded
+        model name. BoardError for any other path (outside the workspace, or through a symbolic link)."""
         value = (value or "").strip()
-        return str(self.run_dir(value)) if value and self.run_dir(value).is_dir() else value
+        if value and (self.workspace / "runs" / clean_name(value)).is_dir() and clean_name(value) == value:
+            return str(confined(str(self.run_dir(value)), self.roots(), "the run"))
+        return model_or_path(value, self.roots(), "the folder") if value else value
 
     def evaluate(self, target: str, n: int, k: str, temperature: float, data: str, reward: str,
                  max_samples: int | None) -> tuple[pd.DataFrame, str]:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        out = self.workspace / "evals" / f"{clean_name(Path(self.target_path(target)).name)}-{stamp}.jsonl"
+        target = self.target_path(target)
+        data = str(confined(data, self.roots(shipped=True), "the data file")) if (data or "").strip() else ""
+        reward = str(confined(reward, self.roots(shipped=True), "the reward file")) if (reward or "").strip() else ""
+        out = self.workspace / "evals" / f"{clean_name(Path(target).name)}-{stamp}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
-        args = eval_args(self.target_path(target), n, k, temperature, data, reward, max_samples or None, out)
+        args = eval_args(target, n, k, temperature, data, reward, max_samples or None, out)
         code, output = run_tool(self.launcher, "rlframe.eval", args, self.workspace / "logs" / "eval.log")
         if code != 0:
             return eval_table(""), error_lines(output) or output[-4000:]
         return eval_table(output), output[-4000:]
 
     def export(self, source: str, name: str, merge: bool) -> str:
+        if not (source or "").strip():
+            raise BoardError("pick a run folder (its newest complete checkpoint) or a checkpoint folder to export")
         source = self.target_path(source)
+        if not Path(source).is_dir():
+            raise BoardError(f"{source} is not a run or checkpoint folder of the workspace. Fix: pick a run")
+        no_links_inside(Path(source), "the export's source")
         name = clean_name(name.strip()) if name.strip() else f"{Path(source).name}-export"
         out = self.workspace / "exports" / name
+        if (self.workspace / "exports").is_symlink() or out.is_symlink():
+            raise BoardError(f"{out} is a symbolic link: the board writes no export through one. Fix: remove it")
         if out.exists() and any(out.iterdir()):
             raise BoardError(f"{out} exists already (an earlier export is not overwritten). Fix: another export name")
         run = Path(source)
@@ -215,7 +243,8 @@ class Board:
             raise BoardError(f"{run.name} saved no checkpoint (trainer.save_every=0) and has no hf_model yet (it is "
                              "written when the run finishes). Fix: wait for the run to finish, or launch with "
                              "trainer.save_every > 0")
-        shutil.copytree(run / "hf_model", out, dirs_exist_ok=True)
+        no_links_inside(run / "hf_model", "the run's hf_model")
+        shutil.copytree(run / "hf_model", out, symlinks=True, dirs_exist_ok=True)  # (no link is left to copy)
         return (f"exported to {out} (a copy of {run / 'hf_model'}, the final model: the run saved no "
                 "checkpoint, trainer.save_every=0)")
 
@@ -228,11 +257,20 @@ class Board:
     def load_chat(self, folder: str) -> str:
         if not folder.strip():
             raise BoardError("pick a model folder first")
-        self.chat_model = ChatModel(folder.strip())
-        return f"loaded {folder.strip()}"
+        folder = model_or_path(folder, self.roots(), "the model folder")
+        self.chat_model = ChatModel(folder)
+        return f"loaded {folder}"
 
     def chat(self, history: list[dict], message: str, max_new_tokens: int, temperature: float) -> list[dict]:
         if self.chat_model is None:
             raise BoardError("load a model first (the button above the conversation)")
+        if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+            raise BoardError(f"max new tokens={max_new_tokens}: 1 to {MAX_NEW_TOKENS}. Fix: a number in that range")
+        if not (temperature == temperature and 0 <= temperature <= 5):
+            raise BoardError(f"temperature={temperature}: 0 (greedy) to 5")
+        size = len(message or "") + sum(len(str(m.get("content", ""))) for m in history if isinstance(m, dict))
+        if size > MAX_CHAT_CHARS:
+            raise BoardError(f"the conversation holds {size} characters (at most {MAX_CHAT_CHARS}). "
+                             "Fix: a shorter message, or clear the conversation")
         answer = self.chat_model.reply(history, message, max_new_tokens, temperature)
         return [*history, {"role": "user", "content": message}, {"role": "assistant", "content": answer}]

@@ -21,7 +21,10 @@ from rlframe.board.settings import list_settings, load_settings, save_settings
 # TrainForm fields in the order the page passes them to the handlers.
 FORM_FIELDS = ["stage", "recipe", "model_source", "model_path", "data_source", "train_files", "val_files",
                "prompt_key", "answer_key", "image_key", "reward_path", "reward_name", *forms.MAIN_KEYS, "extra_yaml"]
-CSS = "#plan textarea, #command textarea, #log textarea, #yaml textarea {font-family: monospace; font-size: 12px}"
+PLOT_HEIGHT = 240
+CSS = ("#plan textarea, #command textarea, #log textarea, #yaml textarea {font-family: monospace; font-size: 12px}\n"
+       # gradio draws a plot's legend (the series' names) below its axes, outside the svg's box, which clips it
+       ".board-plot, .board-plot svg {overflow: visible !important} .board-plot {padding-bottom: 56px !important}")
 
 
 def paths(text: str) -> list[str]:
@@ -269,7 +272,8 @@ def watch_tab(board: Board, L: Labels) -> dict:
         with gr.Row():
             for title, _ in row:
                 c["plots"][title] = L.track(gr.LinePlot(x="step", y="value", color="series", label=L(f"plot_{title}"),
-                                                        elem_id=f"plot_{title}", height=220), f"plot_{title}")
+                                                        elem_id=f"plot_{title}", height=PLOT_HEIGHT,
+                                                        color_title="", y_title=title, elem_classes=["board-plot"]), f"plot_{title}")
     c["table"] = L.track(gr.Dataframe(label=L("metrics"), interactive=False, elem_id="watch_table"), "metrics")
     c["samples"] = L.track(gr.Dataframe(label=L("samples"), interactive=False, wrap=True), "samples")
     c["log"] = L.track(gr.Textbox(label=L("log"), lines=12, max_lines=12, elem_id="log", interactive=False), "log")
@@ -328,7 +332,9 @@ def runs_tab(board: Board, L: Labels) -> dict:
                                            elem_id="compare_runs"), "compare_runs")
         keys = [key for _, lines in CURVES for key, _ in lines]
         c["key"] = L.track(gr.Dropdown(keys, value="val/accuracy", label=L("compare_key")), "compare_key")
-    c["plot"] = L.track(gr.LinePlot(x="step", y="value", color="series", label=L("compare_plot"), height=260),
+    c["plot"] = L.track(gr.LinePlot(x="step", y="value", color="series", label=L("compare_plot"),
+                                      height=PLOT_HEIGHT + 40, color_title="", elem_id="compare_plot",
+                                      elem_classes=["board-plot"]),
                         "compare_plot")
     with gr.Row():
         c["report_run"] = L.track(gr.Dropdown(board.run_names(), label=L("report_run"), elem_id="report_run",
@@ -403,7 +409,11 @@ def chat_tab(board: Board, L: Labels) -> dict:
 
     def on_send(history, message, max_new_tokens, temperature):
         try:
-            return board.chat(history or [], message, int(max_new_tokens or 64), float(temperature or 0)), "", ""
+            try:
+                tokens, temp = int(max_new_tokens or 64), float(temperature or 0)
+            except (TypeError, ValueError, OverflowError):
+                raise BoardError(f"max new tokens={max_new_tokens}, temperature={temperature}: numbers, please") from None
+            return board.chat(history or [], message or "", tokens, temp), "", ""
         except BoardError as err:
             return history, message, error_text(err)
 

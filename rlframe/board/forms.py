@@ -100,7 +100,9 @@ def value_text(value: Any) -> str:
             float(text)
         except ValueError:
             return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # `${` escaped: the board's own environment and configuration must not be read into a value
+    # (OmegaConf interpolation such as ${oc.env:HOME}); the run receives the text as typed
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("${", "\\${") + "'"
 
 
 def override(key: str, value: Any) -> str:

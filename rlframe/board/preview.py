@@ -1,5 +1,5 @@
 """Preview before launch: the checks `python -m rlframe.main` runs before Ray, their messages, the memory plan
-and the command line, without starting anything or writing into the run folder.
+and the command line, without starting the user's processes or writing into the run folder.
 
     preview = run_preview(form_args, run_dir, scratch)   # Preview(ok, error, notes, plan_table, command, ...)
 
@@ -7,9 +7,17 @@ The steps are main's own, in its order (rlframe/main.py: compose_config, validat
 checks): the recipe and overrides composed onto the typed schema, every configuration check, the model folder
 and the memory plan (`validate_before_workers`), the tokenizer, and every data row read, checked and templated
 (`check_run_data`), through main's `check_before_ray` on the board's scratch folder (generated data sets are
-written there, not into the run folder). An error
-is the same one-screen `error: ...` text the command line prints. prepare_run's claim of the run folder is not
-called (it takes the lock and writes owner.json); `run_dir_problem` checks the lock without taking it.
+written there, not into the run folder). An error is the same one-screen `error: ...` text the command line
+prints. prepare_run's claim of the run folder is not called (it takes the lock and writes owner.json);
+`run_dir_problem` checks the lock without taking it.
+
+What a preview does not do, unlike the run: it starts no MCP server (`rollout.multi_turn.mcp_servers`: their
+shape is checked, their tools are listed when the run starts) and imports no tool or environment file (read
+with `ast`: the file and the name it defines), through `validate_config(cfg, run_user_code=False)`; an agent
+command (`rollout.agent_program.command`) is never run before the run's rollouts. What it still runs: a reward
+file is imported (first in a short-lived child process with the deadline reward.import_timeout_s, then here),
+an `algorithm.custom_estimator` file is imported, and a model folder's own code when model.trust_remote_code
+is true: those are code, as they are in the run (docs/board.md, Security).
 """
 
 from __future__ import annotations
@@ -68,14 +76,15 @@ def run_dir_problem(run_dir: Path) -> str:
 
 
 def compose(args: list[str]):
-    """main.compose_config + validate_config, capturing the notes they print; raises main's usage errors."""
+    """main.compose_config + validate_config (without running the user's servers and tool files), capturing the
+    notes they print; raises main's usage errors."""
     from rlframe.config import validate_config
     from rlframe.main import compose_config
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         cfg = compose_config(list(args))
-        validate_config(cfg)
+        validate_config(cfg, run_user_code=False)  # no MCP server started, no tool file imported
     return cfg, [line[6:] for line in out.getvalue().splitlines() if line.startswith("note: ")]
 
 
@@ -98,7 +107,8 @@ def check_before_workers(cfg, scratch: Path) -> str:
 
 
 def run_preview(args: list[str], run_dir: Path, scratch: Path, *, deep: bool = True) -> Preview:
-    """All of main's checks on `args` (which name trainer.run_dir=run_dir); nothing is started or written there."""
+    """All of main's checks on `args` (which name trainer.run_dir=run_dir); nothing is written into run_dir and no
+    MCP server, tool file or agent command of the configuration is started (see the module's docstring)."""
     from rlframe.main import usage_errors
 
     preview = Preview(ok=False, args=list(args), command=command_line(args))

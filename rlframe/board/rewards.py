@@ -5,16 +5,21 @@
 It is the doctor's check (rlframe/doctor/reward_checks.py): the first rows of the training data as the run
 reads them, each row's ground truth written as an answer in the usual formats and a corrupted one
 (`corrupt`: a number + 7, other text reversed), scored by the configured reward functions in their process
-pool (`best_scores`: a row's best format). A reward that raises is counted and its first traceback shown.
+pool (`best_scores`: a row's best format). A reward that raises is counted and its first traceback shown, with
+the user's own frames only (`own_frames`: rlframe's reward worker and loader frames left out).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
 TRY_ROWS = 8
+FRAME = re.compile(r'^\s*File "([^"]+)", line \d+, in ')
 
 
 @dataclass
@@ -50,6 +55,34 @@ def first_failure(manager, rows: list[dict]) -> str:
     return result.failures[0] if result.failures else ""
 
 
+def internal_dirs() -> tuple[str, ...]:
+    """The folders of rlframe's own code (the package and its workers), each ending in a separator."""
+    import rlframe
+    import rlframe.workers
+
+    return tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (rlframe, rlframe.workers))
+
+
+def own_frames(text: str) -> str:
+    """A failure's text with the traceback frames of rlframe's own files (the reward worker calling the function)
+    left out: what remains is the message, the user's frames and the exception."""
+    internal, out, skipping, hidden = internal_dirs(), [], False, 0
+    for line in text.splitlines():
+        frame = FRAME.match(line)
+        if frame:
+            skipping = str(Path(frame.group(1)).resolve()).startswith(internal)
+            hidden += skipping
+            if not skipping:
+                out.append(line)
+            continue
+        if skipping and line.startswith("    "):  # the frame's source line and its ^^^ marks
+            continue
+        skipping = False
+        out.append(line.replace("Traceback (most recent call last):",
+                                "Traceback (most recent call last; rlframe's own frames left out):"))
+    return "\n".join(out) if hidden else text
+
+
 def try_reward(args: list[str], scratch) -> TryResult:
     """Score own vs corrupted answers with the reward of `args` (the train form's overrides)."""
     from rlframe.board.preview import PREVIEW_LOCK, compose, usage_text
@@ -72,7 +105,7 @@ def try_reward(args: list[str], scratch) -> TryResult:
             own, own_m = best_scores(manager, [str(r["ground_truth"]) for r in rows], rows)
             wrong, wrong_m = best_scores(manager, wrong_answers, rows)
             failures = int(own_m.get("reward/failures", 0) + wrong_m.get("reward/failures", 0))
-            error = first_failure(manager, rows) if failures else ""
+            error = own_frames(first_failure(manager, rows)) if failures else ""
         finally:
             manager.close()
     except (SystemExit, *usage_errors()) as err:

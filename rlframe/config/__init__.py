@@ -45,7 +45,14 @@ from rlframe.config.algorithm import (
     off_policy_correction,
     run_estimator_needs,
 )
-from rlframe.config.checks import ConfigError, declared_bounds_hold, local_model_dir, problems_of, raise_problems
+from rlframe.config.checks import (
+    RUN_USER_CODE,
+    ConfigError,
+    declared_bounds_hold,
+    local_model_dir,
+    problems_of,
+    raise_problems,
+)
 from rlframe.config.data import ArithmeticDataConfig, DataConfig, ShapesDataConfig
 from rlframe.config.model import LoraConfig, ModelConfig
 from rlframe.config.reward import RewardConfig, RewardFunctionConfig, RewardModelConfig
@@ -106,14 +113,19 @@ CHECKS = ((declared_bounds_hold,) + model.CHECKS + data.CHECKS + algorithm.CHECK
 FOLDER_CHECKS = model.FOLDER_CHECKS + (check_engine_model,) + rollout.FOLDER_CHECKS
 
 
-def validate_config(cfg: RLConfig) -> None:
+def validate_config(cfg: RLConfig, *, run_user_code: bool = True) -> None:
     """Check the configuration before any worker starts; raise ConfigError listing all problems.
 
     Resolves the policy loss's "auto" options first (apply_algorithm_defaults) and splits a reward
-    function's `file.py:function` path (in place).
+    function's `file.py:function` path (in place). `run_user_code=False` (the board's Preview): no MCP server is
+    started and no tool or environment file imported; they are checked as written (checks.RUN_USER_CODE).
     """
     apply_algorithm_defaults(cfg)
-    raise_problems(problems_of(cfg, CHECKS) + problems_of(cfg, FOLDER_CHECKS, local_model_dir(cfg.model.path)))
+    token = RUN_USER_CODE.set(run_user_code)
+    try:
+        raise_problems(problems_of(cfg, CHECKS) + problems_of(cfg, FOLDER_CHECKS, local_model_dir(cfg.model.path)))
+    finally:
+        RUN_USER_CODE.reset(token)
 
 
 def validate_model_folder(cfg: RLConfig, model_dir: str) -> None:

@@ -16,6 +16,7 @@ None when it is not on this machine yet). `problems_of` runs them and gathers ev
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ from rlframe.bounds import bound_problems
 Need = Callable[[bool, str, str], None]  # need(condition, key, message): a problem unless condition
 Check = Callable[[Any, Need], None]  # rule(cfg, need)
 FolderCheck = Callable[[Any, Need, "str | None"], None]  # rule(cfg, need, model_dir)
+# Whether a check may start the user's processes or import the user's tool / environment files (MCP servers are
+# started to list their tools): off where a check must have no side effects, the board's Preview
+# (validate_config(cfg, run_user_code=False)); those files and servers are then checked as written only.
+RUN_USER_CODE: ContextVar[bool] = ContextVar("RUN_USER_CODE", default=True)
 
 
 class ConfigError(ValueError):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rlframe.bounds import bounded, one_of
+from rlframe.config.checks import RUN_USER_CODE
 
 ENGINES = ("auto", "vllm", "hf")
 TURN_REWARDS = ("final", "per_turn")
@@ -249,15 +250,16 @@ def multi_turn_files_load(cfg, need) -> None:
         need(False, "rollout.multi_turn.format", str(error))
     need(bool(mt.tools) or bool(mt.environment.path) or bool(mt.mcp_servers), "rollout.multi_turn.tools",
          "no tool and no environment. Fix: rollout.multi_turn.tools=[{path: tools/calculator.py, name: calculator}]")
+    imports = RUN_USER_CODE.get()  # off (the board's Preview): the files are read with ast, not imported
     if mt.environment.path:
         try:
-            load_environment(mt.environment.path, mt.environment.name)
+            (load_environment if imports else defined_in_file)(mt.environment.path, mt.environment.name)
         except ToolLoadError as error:
             need(False, "rollout.multi_turn.environment", str(error))
     names = {}
     for i, tool in enumerate(mt.tools):
         try:
-            load_tool(tool.path, tool.name)
+            (load_tool if imports else defined_in_file)(tool.path, tool.name)
             names[tool.name] = f"rollout.multi_turn.tools[{i}]"
         except ToolLoadError as error:
             need(False, f"rollout.multi_turn.tools[{i}]", str(error))
@@ -303,6 +305,8 @@ def mcp_servers_list_their_tools(mt, need, names: dict[str, str]) -> None:
         if problem:
             need(False, f"{key}.url", problem)
             continue
+        if not RUN_USER_CODE.get():  # the board's Preview: checked as written, not started
+            continue
         try:
             servers, tools = start_mcp_tools([mcp_server_settings(server)], names, timeout_s=1.0)
         except ToolLoadError as error:
@@ -313,10 +317,31 @@ def mcp_servers_list_their_tools(mt, need, names: dict[str, str]) -> None:
         names.update({name: key for name in tools})
 
 
+def defined_in_file(path: str, name: str) -> None:
+    """The tool / environment file exists and defines `name` at its top level (read with ast, not run);
+    ToolLoadError otherwise."""
+    import ast
+
+    from rlframe.workers.rollout.tools import ToolLoadError, resolve_tool_path
+
+    file = resolve_tool_path(path)
+    try:
+        tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
+    except (OSError, UnicodeDecodeError, SyntaxError) as error:
+        raise ToolLoadError(f"{path} cannot be read as Python ({error}). Fix: point the path at the Python file "
+                            "that defines it") from None
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    defined += [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+    defined += [(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names]
+    if name not in defined:
+        raise ToolLoadError(f"{path} defines no '{name}' (it defines: {', '.join(defined) or 'none'})")
+
+
 def tag_format_tools_take_one_argument(cfg, need) -> None:
     """`format: tag` passes a call's text as one argument: a tool that requires more is refused here."""
     mt = cfg.rollout.multi_turn
-    if not mt.enable or mt.format != "tag":
+    if not mt.enable or mt.format != "tag" or not RUN_USER_CODE.get():
         return
     from rlframe.workers.rollout.tools import ToolLoadError, format_problem, load_tool
 
