@@ -360,7 +360,16 @@ FILE_CASES = {
     # reward files
     "reward file fails at import": (lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', 'raise ImportError(1)')}}}]"],
                                     ["reward.functions[0]"]),
+    "reward function of two arguments": (lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', TWO_ARGUMENTS)}}}]"],
+                                         ["reward.functions[0]", "compute_score(solution_str, ground_truth)",
+                                          "verl's per-sample form compute_score(data_source, solution_str, ground_truth, "
+                                          "extra_info=None, **kwargs)"]),
+    "reward kwargs the function does not take": (
+        lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', VERL_FORM)}, kwargs: {{scale: 2}}}}]"],
+        ["reward.functions[0]", "does not take the keyword arguments that reward.functions[0].kwargs passes", "'scale'"]),
 }
+TWO_ARGUMENTS = "def compute_score(solution_str, ground_truth):\n    return float(ground_truth in solution_str)\n"
+VERL_FORM = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
 
 
 USER_CODE = {"reward file fails at import"}  # the error quotes where the user's file failed (its traceback)

@@ -103,8 +103,8 @@ def reward_functions_load(cfg, need) -> None:
             validate_reward_specs([RewardSpec(path=fn.path, name=fn.name, weight=fn.weight, data_sources=fn.data_sources,
                                               kwargs=dict(fn.kwargs), reward_type=fn.reward_type)],
                                   import_timeout_s=cfg.reward.import_timeout_s)
-        except (RewardLoadError, ValueError) as error:
-            need(False, f"reward.functions[{i}]", str(error))
+        except (RewardLoadError, ValueError) as error:  # (the loader's messages say reward.functions[i])
+            need(False, f"reward.functions[{i}]", str(error).replace("reward.functions[i]", f"reward.functions[{i}]"))
 
 
 def reward_comes_from_elsewhere(cfg) -> bool:
