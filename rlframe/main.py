@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -298,13 +298,15 @@ def init_ray(cfg: RLConfig, run_dir: Path | None = None) -> None:
 
 @dataclass
 class PreparedRun:
-    """What `prepare_run` checked and built before Ray: the run's folder, model folder, tokenizer and data files."""
+    """What `prepare_run` checked and built before Ray: the run's folder, model folder, tokenizer, data files and
+    the datasets the checks built that the stage's driver takes instead of building them again."""
 
     run_dir: Path
     model_path: str
     tokenizer: Any
     train_files: list[str]
     val_files: list[str]
+    datasets: dict = field(default_factory=dict)
 
 
 def prepare_run(cfg: RLConfig) -> PreparedRun:
@@ -341,8 +343,8 @@ def check_before_ray(cfg: RLConfig, run_dir: Path) -> PreparedRun:
     validate_before_workers(cfg, model_path)  # the checks that read the model folder, then the memory plan
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
-    check_run_data(cfg, tokenizer, train_files, val_files)
-    return PreparedRun(run_dir, model_path, tokenizer, train_files, val_files)
+    datasets = check_run_data(cfg, tokenizer, train_files, val_files)
+    return PreparedRun(run_dir, model_path, tokenizer, train_files, val_files, datasets)
 
 
 def run(cfg: RLConfig) -> dict:
@@ -365,7 +367,7 @@ def run(cfg: RLConfig) -> dict:
     from rlframe.stages.run import make_trainer
 
     trainer = make_trainer(cfg, prepared.model_path, prepared.tokenizer, prepared.train_files, prepared.val_files,
-                           run_dir)  # by cfg.stage
+                           run_dir, prepared.datasets)  # by cfg.stage
     try:
         summary = trainer.fit()
     finally:

@@ -367,7 +367,14 @@ FILE_CASES = {
     "reward kwargs the function does not take": (
         lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', VERL_FORM)}, kwargs: {{scale: 2}}}}]"],
         ["reward.functions[0]", "does not take the keyword arguments that reward.functions[0].kwargs passes", "'scale'"]),
+    "reward data_sources match no row": (lambda tmp: [*with_bad_row(good_row(3))(tmp), f"reward.functions=[{{path: {MATH}, data_sources: [gsm8k]}}]"],
+                                         ["reward.functions[0].data_sources: ['gsm8k'] match none of the data's data_source values ('toy')",
+                                          "Fix: list some of those values, or data_sources=null"]),
+    "reward data_sources leave rows unscored": (
+        lambda tmp: [*with_bad_row({**good_row(3), "data_source": "other"})(tmp), f"reward.functions=[{{path: {MATH}, data_sources: [toy]}}]"],
+        ["no reward function scores the rows whose data_source is 'other'"]),
 }
+MATH = REPO_ROOT / "reward_fns" / "math.py"
 TWO_ARGUMENTS = "def compute_score(solution_str, ground_truth):\n    return float(ground_truth in solution_str)\n"
 VERL_FORM = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
 
