@@ -336,10 +336,14 @@ def check_before_ray(cfg: RLConfig, run_dir: Path) -> PreparedRun:
     `run_dir`). Bad input raises one of usage_errors() (or UsageError)."""
     from transformers import AutoTokenizer
 
-    from rlframe.models.provision import resolve_model_path
+    from rlframe.models.provision import hub_model_problem, looks_like_hub_id, resolve_model_path
     from rlframe.preflight import check_run_data
 
     model_path = resolve_model_path(cfg.model.path)
+    if looks_like_hub_id(model_path):  # (transformers' own error is a traceback, from inside the tokenizer's load)
+        problem = hub_model_problem(model_path)
+        if problem is not None:
+            raise UsageError(f"model.path: {problem}")
     validate_before_workers(cfg, model_path)  # the checks that read the model folder, then the memory plan
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)

@@ -358,6 +358,9 @@ FILE_CASES = {
     "resume folder not a checkpoint": (lambda tmp: [f"trainer.resume={(tmp / 'step_3').mkdir() or tmp / 'step_3'}"],
                                        ["trainer.resume", "step_3"]),
     # reward files
+    "hub id without network or cache": (lambda tmp: ["model.path=no-such-org/no-such-model"],
+                                        ["model.path: 'no-such-org/no-such-model' is a hub id, but the hub cannot be reached",
+                                         "Fix: model.path=/path/to/a/local/model/folder"]),
     "reward file fails at import": (lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', 'raise ImportError(1)')}}}]"],
                                     ["reward.functions[0]"]),
     "reward function of two arguments": (lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', TWO_ARGUMENTS)}}}]"],
