@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_before_workers, validate_config
+from rlframe.schema_types import field_type, type_in_words  # noqa: F401  (rlframe/board/schema_help.py imports them from here)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -219,41 +220,6 @@ def compose_error_message(err: Exception, recipe: str) -> str:
     text = str(cause if cause is not None else err).splitlines()[0]
     return (f"in recipe '{recipe}' or its overrides: {text}\n"
             "Fix: check the key names against rlframe/config/ (e.g. actor.optim.lr=1e-6).")
-
-
-def field_type(key: str) -> Any:
-    """The schema's declared type of a dotted key (`actor.optim.lr` -> float); None when it is not a field."""
-    import dataclasses
-    import typing
-
-    cls: Any = RLConfig
-    hint: Any = None
-    for part in key.split("."):
-        if part.isdigit() or part.startswith("["):  # a list index: the list's item type
-            args = typing.get_args(hint)
-            hint = args[0] if args else None
-            cls = hint
-            continue
-        if not dataclasses.is_dataclass(cls):
-            return None
-        hint = typing.get_type_hints(cls).get(part)
-        cls = hint
-    return hint
-
-
-def type_in_words(hint: Any) -> str:
-    """int -> "a whole number", Optional[float] -> "a number (or null)", list[float] -> "a list of numbers"."""
-    import typing
-
-    words = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is typing.Union and len(args) == 1:
-        return type_in_words(args[0]) + " (or null)"
-    if typing.get_origin(hint) is list:
-        return "a list" + (f" of {type_in_words(args[0]).split(' ', 1)[-1]}s" if args and args[0] in words else "")
-    if typing.get_origin(hint) is dict:
-        return "a mapping"
-    return words.get(hint, "another type")
 
 
 def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
