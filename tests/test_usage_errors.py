@@ -130,6 +130,8 @@ CONFIG_CASES = {
     "fallback score inf": (["reward.fallback_score=inf"], ["reward.fallback_score: inf"]),
     "reward weight NaN": ([f"reward.functions=[{{path: {REPO_ROOT / 'reward_fns' / 'math.py'}, weight: nan}}]"],
                           ["reward.functions[0].weight: nan", "a finite number"]),
+    "judge concurrency zero": (["reward.judge.max_concurrency=0"], ["reward.judge.max_concurrency: 0", ">= 1"]),
+    "judge retries negative": (["reward.judge.max_retries=-1"], ["reward.judge.max_retries: -1", ">= 0"]),
     "dpo beta zero": (["dpo.beta=0"], ["dpo.beta: 0"]),
     "sft epochs zero": (["sft.epochs=0"], ["sft.epochs: 0"]),
     # enum keys
