@@ -22,15 +22,40 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlframe.trainer.checkpoint import find_latest_complete, verify
+from rlframe.trainer.checkpoint import MANIFEST, find_latest_complete, verify
+
+
+RUN_FILES = ("checkpoints", "config.yaml", "metrics.jsonl", "hf_model")  # what a run directory holds (prepare_run)
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run directory (not a checkpoint: those hold a manifest and live in checkpoints/)."""
+    return (path / "checkpoints").is_dir() or (
+        not (path / MANIFEST).exists() and path.parent.name != "checkpoints"
+        and any((path / name).exists() for name in RUN_FILES))
+
+
+def no_checkpoint(run_dir: Path) -> str:
+    """What to use instead when a run directory has no complete checkpoint."""
+    saved = run_dir / "checkpoints"
+    if saved.is_dir() and any(saved.iterdir()):
+        return f"error: no complete checkpoint in {saved} (each save was interrupted before its manifest)"
+    said = (f"error: the run {run_dir} saved no checkpoint (trainer.save_every=0, the default, or it stopped "
+            "before its first save)")
+    hf_model = run_dir / "hf_model"
+    if (hf_model / "config.json").is_file():
+        return (f"{said}; its trained model is already an HF model folder: {hf_model} (trainer.export_hf): load it "
+                "as it is, nothing to export")
+    return (f"{said} and exported no model (trainer.export_hf=false, or it did not finish). Fix: run it again with "
+            "trainer.export_hf=true (the folder hf_model/), or trainer.save_every=N to export a checkpoint")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
-    if (path / "checkpoints").is_dir():  # a run directory
-        latest = find_latest_complete(path)
+    if is_run_dir(path):
+        latest = find_latest_complete(path) if (path / "checkpoints").is_dir() else None
         if latest is None:
-            raise SystemExit(f"error: no complete checkpoint in {path / 'checkpoints'}")
+            raise SystemExit(no_checkpoint(path))
         return latest.path
     problem = verify(path)
     if problem is not None:

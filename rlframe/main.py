@@ -16,13 +16,14 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_before_workers, validate_config
+from rlframe.schema_types import field_type, type_in_words  # noqa: F401  (rlframe/board/schema_help.py imports them from here)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -221,41 +222,6 @@ def compose_error_message(err: Exception, recipe: str) -> str:
             "Fix: check the key names against rlframe/config/ (e.g. actor.optim.lr=1e-6).")
 
 
-def field_type(key: str) -> Any:
-    """The schema's declared type of a dotted key (`actor.optim.lr` -> float); None when it is not a field."""
-    import dataclasses
-    import typing
-
-    cls: Any = RLConfig
-    hint: Any = None
-    for part in key.split("."):
-        if part.isdigit() or part.startswith("["):  # a list index: the list's item type
-            args = typing.get_args(hint)
-            hint = args[0] if args else None
-            cls = hint
-            continue
-        if not dataclasses.is_dataclass(cls):
-            return None
-        hint = typing.get_type_hints(cls).get(part)
-        cls = hint
-    return hint
-
-
-def type_in_words(hint: Any) -> str:
-    """int -> "a whole number", Optional[float] -> "a number (or null)", list[float] -> "a list of numbers"."""
-    import typing
-
-    words = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is typing.Union and len(args) == 1:
-        return type_in_words(args[0]) + " (or null)"
-    if typing.get_origin(hint) is list:
-        return "a list" + (f" of {type_in_words(args[0]).split(' ', 1)[-1]}s" if args and args[0] in words else "")
-    if typing.get_origin(hint) is dict:
-        return "a mapping"
-    return words.get(hint, "another type")
-
-
 def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
     if cfg.data.source == "files":
         return list(cfg.data.train_files), list(cfg.data.val_files)
@@ -298,13 +264,15 @@ def init_ray(cfg: RLConfig, run_dir: Path | None = None) -> None:
 
 @dataclass
 class PreparedRun:
-    """What `prepare_run` checked and built before Ray: the run's folder, model folder, tokenizer and data files."""
+    """What `prepare_run` checked and built before Ray: the run's folder, model folder, tokenizer, data files and
+    the datasets the checks built that the stage's driver takes instead of building them again."""
 
     run_dir: Path
     model_path: str
     tokenizer: Any
     train_files: list[str]
     val_files: list[str]
+    datasets: dict = field(default_factory=dict)
 
 
 def prepare_run(cfg: RLConfig) -> PreparedRun:
@@ -334,15 +302,19 @@ def check_before_ray(cfg: RLConfig, run_dir: Path) -> PreparedRun:
     `run_dir`). Bad input raises one of usage_errors() (or UsageError)."""
     from transformers import AutoTokenizer
 
-    from rlframe.models.provision import resolve_model_path
+    from rlframe.models.provision import hub_model_problem, looks_like_hub_id, resolve_model_path
     from rlframe.preflight import check_run_data
 
     model_path = resolve_model_path(cfg.model.path)
+    if looks_like_hub_id(model_path):  # (transformers' own error is a traceback, from inside the tokenizer's load)
+        problem = hub_model_problem(model_path)
+        if problem is not None:
+            raise UsageError(f"model.path: {problem}")
     validate_before_workers(cfg, model_path)  # the checks that read the model folder, then the memory plan
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     train_files, val_files = prepare_data(cfg, run_dir)
-    check_run_data(cfg, tokenizer, train_files, val_files)
-    return PreparedRun(run_dir, model_path, tokenizer, train_files, val_files)
+    datasets = check_run_data(cfg, tokenizer, train_files, val_files)
+    return PreparedRun(run_dir, model_path, tokenizer, train_files, val_files, datasets)
 
 
 def run(cfg: RLConfig) -> dict:
@@ -365,7 +337,7 @@ def run(cfg: RLConfig) -> dict:
     from rlframe.stages.run import make_trainer
 
     trainer = make_trainer(cfg, prepared.model_path, prepared.tokenizer, prepared.train_files, prepared.val_files,
-                           run_dir)  # by cfg.stage
+                           run_dir, prepared.datasets)  # by cfg.stage
     try:
         summary = trainer.fit()
     finally:

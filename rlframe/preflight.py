@@ -4,22 +4,51 @@
 stage's data with the loaders, options and prompt template its driver uses (rlframe/data/dataset.py,
 rlframe/stages/data.py), so a bad file, row or template is a `DatasetError` naming the key or file, the
 row and the fix before Ray or any worker starts; and it checks that the training rows fill one batch,
-saying why when rows were dropped (data.overlong=filter, data.bad_rows=skip). The drivers build the same
-data again when they start (the same result: nothing here changes what they read).
+saying why when rows were dropped (data.overlong=filter, data.bad_rows=skip), and that the reward
+functions' `data_sources` match the rows' `data_source` values. The prompt datasets built here (stage rl,
+rft) are returned and handed to the stage's driver, which uses them instead of building them again.
 """
 
 from __future__ import annotations
 
 from rlframe.config import RLConfig
+from rlframe.config.checks import ConfigError
 from rlframe.data.dataset import RLDataset
 from rlframe.data.files import DatasetError
 
 
-def check_run_data(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[str]) -> None:
-    """The data checks of cfg.stage (stages whose data the project generates itself have none)."""
+def check_run_data(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[str]) -> dict[str, RLDataset]:
+    """The data checks of cfg.stage (stages whose data the project generates itself have none); the datasets
+    built for them that the stage's driver takes (`datasets=`: "train", "val"), else {}."""
     check = STAGE_DATA.get(cfg.stage)
-    if check is not None:
-        check(cfg, tokenizer, list(train_files), list(val_files))
+    if check is None:
+        return {}
+    return check(cfg, tokenizer, list(train_files), list(val_files)) or {}
+
+
+def reward_sources_cover(cfg: RLConfig, datasets: list[RLDataset]) -> None:
+    """Each reward function with `data_sources` matches some row's data_source, and every row is scored by some
+    function: otherwise the function never runs, or the first batch with such a row stops the run (RewardError)."""
+    functions = cfg.reward.functions
+    if not functions:
+        return
+    found = sorted({row["data_source"] for dataset in datasets for row in dataset.rows})
+    listed = ", ".join(map(repr, found[:10])) + (f" (+{len(found) - 10} more)" if len(found) > 10 else "")
+    problems = []
+    for i, fn in enumerate(functions):
+        if fn.data_sources is not None and not set(fn.data_sources) & set(found):
+            problems.append(f"reward.functions[{i}].data_sources: {list(fn.data_sources)} match none of the data's "
+                            f"data_source values ({listed}); this function would score no sample. Fix: list some of "
+                            f"those values, or data_sources=null (every row)")
+    if not problems and all(fn.data_sources is not None for fn in functions):
+        covered = {source for fn in functions for source in fn.data_sources}
+        missing = [source for source in found if source not in covered]
+        if missing:
+            problems.append(f"reward.functions[*].data_sources: no reward function scores the rows whose data_source "
+                            f"is {', '.join(map(repr, missing[:10]))}. Fix: add them to a function's data_sources, or "
+                            f"data_sources=null on one function (every row)")
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {problem}" for problem in problems))
 
 
 def fills_a_batch(rows: int, batch_key: str, batch_size: int, unit: str, files: list[str], dropped: str = "") -> None:
@@ -35,22 +64,27 @@ def fills_a_batch(rows: int, batch_key: str, batch_size: int, unit: str, files: 
                        f"{rows} usable ones{dropped}. {fix}")
 
 
-def prompt_data(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[str]) -> None:
+def prompt_data(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[str]) -> dict[str, RLDataset]:
     """stage=rl: the prompt datasets (RLTrainer's options); the training prompts fill data.train_batch_size."""
     from rlframe.trainer.rl_trainer import dataset_options
 
-    train = RLDataset(train_files, tokenizer, **dataset_options(cfg))
+    datasets = {"train": RLDataset(train_files, tokenizer, **dataset_options(cfg))}
+    train = datasets["train"]
     fills_a_batch(len(train), "data.train_batch_size", cfg.data.train_batch_size, "prompts", train_files,
                   train.dropped_reason())
     if val_files:
-        RLDataset(val_files, tokenizer, **dataset_options(cfg))
+        datasets["val"] = RLDataset(val_files, tokenizer, **dataset_options(cfg))
+    reward_sources_cover(cfg, list(datasets.values()))
+    return datasets
 
 
-def sampled_prompts(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[str]) -> None:
+def sampled_prompts(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[str]) -> dict[str, RLDataset]:
     """stage=rft (and dpo / rm sampling their own pairs): the training prompts that samples are drawn for."""
     from rlframe.stages.dpo import pair_prompts
 
-    pair_prompts(cfg, tokenizer, train_files)
+    prompts = pair_prompts(cfg, tokenizer, train_files)
+    reward_sources_cover(cfg, [prompts])
+    return {"train": prompts}
 
 
 def sft_data(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[str]) -> None:
@@ -74,7 +108,7 @@ def pair_data(cfg: RLConfig, tokenizer, train_files: list[str], val_files: list[
 
     if needs_pair_generation(cfg, train_files):
         if cfg.data.source == "files":
-            sampled_prompts(cfg, tokenizer, train_files, val_files)
+            sampled_prompts(cfg, tokenizer, train_files, val_files)  # (the DPO / RM drivers build their own)
         return
     if cfg.stage == "dpo" and cfg.dpo.loss == "kto":
         return  # unpaired rows (rlframe/stages/unpaired_data.py), read by the driver

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -54,3 +55,19 @@ def test_dead_worker_is_reported_then_survived_with_restarts(tmp_path, tiny_mode
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert (run_dir / "summary.json").exists()
     assert os.path.isdir(run_dir / "checkpoints" / "step_4")
+
+
+def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path, tiny_model_dir, monkeypatch):
+    """A worker dies at step 2, before the first checkpoint (step 3): the restart trains from step 0 again, and
+    metrics.jsonl / timeline.jsonl hold each step once (they held step 0 and step 1 twice: issue 44)."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("RLFRAME_FAULT_INJECT", "update_actor:2")
+    monkeypatch.setenv("RLFRAME_FAULT_INJECT_ONCE", str(tmp_path / "fired"))
+    result = run_main(_args(tiny_model_dir, run_dir, "trainer.total_steps=3", "trainer.save_every=3",
+                            "trainer.max_restarts=1", "trainer.val_before_train=true"), cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "restart 1/1 after: [step 2, phase 'update'] worker process died" in output
+    assert [m["step"] for m in read_metrics(run_dir)] == [0, 1, 2, 3]
+    timeline = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in timeline if row["phase"] == "step"] == [1, 2, 3]

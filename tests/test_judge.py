@@ -2,6 +2,7 @@
 and logged, bad judge settings refused before any worker starts, and a real judge engine in an rft run."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -80,3 +81,114 @@ def test_rft_with_the_model_as_its_own_judge(tiny_model_dir, tmp_path):
     rounds = [m for m in read_metrics(run_dir) if "rft/round" in m]
     assert len(rounds) == 2 and all("reward/judge_parse_failure_rate" in m for m in rounds)
     assert sum(1 for _ in open(run_dir / "judge_outputs.jsonl")) == 2 * 4 * 2
+
+
+# ------------------------------------------------------------------ the URL backend against a real HTTP server
+class ChatServer:
+    """A real OpenAI-style /v1/chat/completions server in a thread (http.server): it answers "Score: <n>" for a
+    prompt "n", and a prompt's script of failures first ("503", "429", "hang", "garbage", "401") per attempt."""
+
+    def __init__(self, scripts: dict[str, list[str]] | None = None, delay_s: float = 0.05):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.scripts, self.delay_s = {k: list(v) for k, v in (scripts or {}).items()}, delay_s
+        self.lock, self.in_flight, self.most_in_flight, self.requests, self.auth = threading.Lock(), 0, 0, [], set()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                import time as clock
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = body["messages"][0]["content"]
+                with server.lock:
+                    server.in_flight += 1
+                    server.most_in_flight = max(server.most_in_flight, server.in_flight)
+                    server.requests.append((self.path, prompt))
+                    server.auth.add(self.headers.get("Authorization"))
+                    step = server.scripts.get(prompt, []).pop(0) if server.scripts.get(prompt) else "ok"
+                try:
+                    clock.sleep(server.delay_s if step != "hang" else 3.0)
+                    if step in ("503", "429", "401"):
+                        self.send_response(int(step))
+                        if step == "429":
+                            self.send_header("Retry-After", "0")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    reply = b"not json" if step == "garbage" else json.dumps(
+                        {"choices": [{"message": {"role": "assistant", "content": f"Score: {prompt}"}}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up on a hung request
+                    pass
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def chat_server():
+    servers = []
+
+    def start(**kwargs):
+        servers.append(ChatServer(**kwargs))
+        return servers[-1]
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_the_url_judge_bounds_its_concurrency_and_keeps_the_order(chat_server):
+    from rlframe.reward.judge import HTTPJudge
+
+    server = chat_server(delay_s=0.1)
+    judge = HTTPJudge(server.url, "judge", 8, api_key="k1", timeout_s=5, max_concurrency=3)
+    prompts = [str(n) for n in range(1, 11)]
+    assert judge.generate(prompts) == [f"Score: {n}" for n in prompts]
+    assert server.most_in_flight == 3  # ten prompts, never more than three at once (and not one at a time)
+    assert {path for path, _ in server.requests} == {"/v1/chat/completions"} and server.auth == {"Bearer k1"}
+
+
+def test_the_url_judge_retries_what_may_pass_and_counts_what_never_did(chat_server, tmp_path):
+    from rlframe.reward.judge import HTTPJudge
+
+    server = chat_server(scripts={"2": ["503", "429"], "3": ["hang"], "4": ["garbage"] * 9})
+    judge = HTTPJudge(server.url, "judge", 8, timeout_s=0.5, max_retries=2, backoff_s=0.01)
+    started = time.perf_counter()
+    assert judge.generate(["1", "2", "3", "4"]) == ["Score: 1", "Score: 2", "Score: 3", None]
+    assert time.perf_counter() - started < 2.5  # the hung request timed out (0.5 s) and its retry answered
+    assert [prompt for _, prompt in server.requests].count("2") == 3 and len(judge.failures) == 1
+    assert "not a chat-completions reply" in judge.failures[0]
+    result = JudgeReward(_judge_cfg(template="{response}"), judge, tmp_path / "judge.jsonl").score(
+        ["p"] * 4, ["1", "2", "3", "4"], [""] * 4)  # ("4" still answers garbage)
+    assert result.scores.tolist() == [0.0, pytest.approx(1 / 9), pytest.approx(2 / 9), -1.0]  # the fallback
+    assert result.metrics()["reward/judge_request_failure_rate"] == 0.25
+
+
+def test_the_url_judge_stops_on_what_retries_cannot_change(chat_server):
+    from rlframe.reward.judge import HTTPJudge, JudgeError
+
+    server = chat_server(scripts={"1": ["401"]})
+    with pytest.raises(JudgeError, match="HTTP 401.*reward.judge.api_key_env"):
+        HTTPJudge(server.url, "judge", 8, timeout_s=2, backoff_s=0.01).generate(["1"])
+    assert len(server.requests) == 1  # not retried
+    with pytest.raises(JudgeError, match="none of the 2 requests got an answer.*Connection refused"):
+        HTTPJudge("http://127.0.0.1:9/v1", "judge", 8, timeout_s=1, max_retries=1, backoff_s=0.01).generate(["1", "2"])

@@ -130,6 +130,8 @@ CONFIG_CASES = {
     "fallback score inf": (["reward.fallback_score=inf"], ["reward.fallback_score: inf"]),
     "reward weight NaN": ([f"reward.functions=[{{path: {REPO_ROOT / 'reward_fns' / 'math.py'}, weight: nan}}]"],
                           ["reward.functions[0].weight: nan", "a finite number"]),
+    "judge concurrency zero": (["reward.judge.max_concurrency=0"], ["reward.judge.max_concurrency: 0", ">= 1"]),
+    "judge retries negative": (["reward.judge.max_retries=-1"], ["reward.judge.max_retries: -1", ">= 0"]),
     "dpo beta zero": (["dpo.beta=0"], ["dpo.beta: 0"]),
     "sft epochs zero": (["sft.epochs=0"], ["sft.epochs: 0"]),
     # enum keys
@@ -309,6 +311,12 @@ FILE_CASES = {
     "message not a dict": (with_bad_row(good_row(0, ["hello"])), ["row 3: field 'prompt[0]'"]),
     "non-UTF-8 bytes": (with_bad_row(b'{"prompt": [{"role": "user", "content": "caf\xe9"}], "reward_model": {"ground_truth": "3"}}\n'),
                         ["row 3: field 'prompt[0].content': not valid UTF-8"]),
+    "message content empty": (with_bad_row(good_row(0, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " "}])),
+                              ["row 3: field 'prompt[1].content': empty (user message)"]),
+    "ground truth NaN": (with_bad_row({**good_row(), "reward_model": {"ground_truth": float("nan")}}),
+                         ["row 3: field 'reward_model.ground_truth': nan is not a finite number"]),
+    "SFT message content empty": (lambda tmp: stage_rows(tmp, "sft", [{"prompt": [{"role": "user", "content": ""}], "response": "a"}] * 20),
+                                  ["sft.jsonl, row 0", "'prompt[0].content': empty (user message)"]),
     "ground truth empty": (with_bad_row({**good_row(), "reward_model": {"ground_truth": ""}}), ["row 3: field 'reward_model.ground_truth': empty"]),
     "ground truth bool": (with_bad_row({**good_row(), "reward_model": {"ground_truth": True}}), ["row 3: field 'reward_model.ground_truth'"]),
     "data_source not text": (with_bad_row({**good_row(), "data_source": 5}), ["row 3: field 'data_source'"]),
@@ -352,9 +360,28 @@ FILE_CASES = {
     "resume folder not a checkpoint": (lambda tmp: [f"trainer.resume={(tmp / 'step_3').mkdir() or tmp / 'step_3'}"],
                                        ["trainer.resume", "step_3"]),
     # reward files
+    "hub id without network or cache": (lambda tmp: ["model.path=no-such-org/no-such-model"],
+                                        ["model.path: 'no-such-org/no-such-model' is a hub id, but the hub cannot be reached",
+                                         "Fix: model.path=/path/to/a/local/model/folder"]),
     "reward file fails at import": (lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', 'raise ImportError(1)')}}}]"],
                                     ["reward.functions[0]"]),
+    "reward function of two arguments": (lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', TWO_ARGUMENTS)}}}]"],
+                                         ["reward.functions[0]", "compute_score(solution_str, ground_truth)",
+                                          "verl's per-sample form compute_score(data_source, solution_str, ground_truth, "
+                                          "extra_info=None, **kwargs)"]),
+    "reward kwargs the function does not take": (
+        lambda tmp: [f"reward.functions=[{{path: {write(tmp, 'r.py', VERL_FORM)}, kwargs: {{scale: 2}}}}]"],
+        ["reward.functions[0]", "does not take the keyword arguments that reward.functions[0].kwargs passes", "'scale'"]),
+    "reward data_sources match no row": (lambda tmp: [*with_bad_row(good_row(3))(tmp), f"reward.functions=[{{path: {MATH}, data_sources: [gsm8k]}}]"],
+                                         ["reward.functions[0].data_sources: ['gsm8k'] match none of the data's data_source values ('toy')",
+                                          "Fix: list some of those values, or data_sources=null"]),
+    "reward data_sources leave rows unscored": (
+        lambda tmp: [*with_bad_row({**good_row(3), "data_source": "other"})(tmp), f"reward.functions=[{{path: {MATH}, data_sources: [toy]}}]"],
+        ["no reward function scores the rows whose data_source is 'other'"]),
 }
+MATH = REPO_ROOT / "reward_fns" / "math.py"
+TWO_ARGUMENTS = "def compute_score(solution_str, ground_truth):\n    return float(ground_truth in solution_str)\n"
+VERL_FORM = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
 
 
 USER_CODE = {"reward file fails at import"}  # the error quotes where the user's file failed (its traceback)

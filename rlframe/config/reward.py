@@ -38,8 +38,12 @@ class JudgeConfig:
     max_model_len: int = 1024
     engine: str = "auto"  # the local judge's engine: auto (vLLM on GPU, HF generate on CPU) | vllm | hf
     batch_size: int = 64  # judge prompts per call
-    timeout_s: float = 600.0  # one call
+    timeout_s: float = 600.0  # one call (with url: one request)
     api_key_env: str = "OPENAI_API_KEY"  # with url: the environment variable holding the key (may be unset)
+    # with url: retries of a request that timed out, lost its connection or got 408/409/429/5xx (exponential
+    # backoff from 0.5 s), and the requests in flight at once (rlframe/reward/judge.py)
+    max_retries: int = bounded(3, ">= 0")
+    max_concurrency: int = bounded(8, ">= 1")
 
 
 @dataclass
@@ -115,8 +119,8 @@ def reward_functions_load(cfg, need) -> None:
             validate_reward_specs([RewardSpec(path=fn.path, name=fn.name, weight=fn.weight, data_sources=fn.data_sources,
                                               kwargs=dict(fn.kwargs), reward_type=fn.reward_type)],
                                   import_timeout_s=cfg.reward.import_timeout_s)
-        except (RewardLoadError, ValueError) as error:
-            need(False, f"reward.functions[{i}]", str(error))
+        except (RewardLoadError, ValueError) as error:  # (the loader's messages say reward.functions[i])
+            need(False, f"reward.functions[{i}]", str(error).replace("reward.functions[i]", f"reward.functions[{i}]"))
 
 
 def uses_sandbox(path: str) -> bool:

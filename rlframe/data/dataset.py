@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,17 @@ def _find_bad_text(value: Any, field: str) -> None:
             _find_bad_text(item, f"{field}[{j}]")
 
 
+def _finite(value: Any) -> bool:
+    """False when `value` is, or holds, a NaN or infinite float."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(map(_finite, value.values()))
+    if isinstance(value, list):
+        return all(map(_finite, value))
+    return True
+
+
 def _check_messages(value: Any, field: str) -> list[dict]:
     if isinstance(value, np.ndarray):
         value = value.tolist()
@@ -170,6 +182,8 @@ def _check_messages(value: Any, field: str) -> list[dict]:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise _BadRow(f"{field}[{j}].{key}", "missing or not a string")
+        if not message["content"].strip():  # the model would be prompted with nothing in that turn
+            raise _BadRow(f"{field}[{j}].content", f"empty ({message['role']} message); fill it or drop the message")
         messages.append({"role": message["role"], "content": message["content"]})
     return messages
 
@@ -363,6 +377,8 @@ class RLDataset:
         if not isinstance(ground_truth, (str, int, float, list, dict)) or isinstance(ground_truth, bool):
             raise _BadRow(answer_field, f"expected a string, number, list or dict, got "
                                         f"{type(ground_truth).__name__}")
+        if not _finite(ground_truth):  # a parquet float column's missing value reads as NaN
+            raise _BadRow(answer_field, f"{ground_truth!r} is not a finite number (a missing answer?)")
 
         data_source = row.get("data_source")
         if data_source is None:

@@ -2,7 +2,8 @@
 
 `model.path` may be
 - an HF model folder on disk (used as is),
-- an HF hub id (handed to transformers, which fetches it when the machine can reach the hub),
+- an HF hub id (handed to transformers, which fetches it when the machine can reach the hub; before start,
+  `hub_model_problem` says when neither the hub nor the local hub cache has it),
 - the name of an embedded model (`EMBEDDED_MODELS`), converted once into a cache folder,
 - `tiny-qwen2.5-vl`: a tiny random-init Qwen2.5-VL built from a config (rlframe/models/tiny_vlm.py),
   written once into a cache folder: the vision-language smoke-test model (it learns nothing useful).
@@ -65,12 +66,45 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+def looks_like_hub_id(path: str) -> bool:
+    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path).expanduser().exists()
+
+
+def hub_model_problem(repo_id: str, revision: str | None = None) -> str | None:
+    """Why the hub id `repo_id` cannot be loaded here (not in the hub cache and the hub unreachable, or no such
+    repository), or None: its config.json is in the cache (offline use), or was fetched now (the hub answers)."""
+    from huggingface_hub import HfApi, constants, hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True)
+        return None
+    except Exception:  # not cached: ask the hub (one request, no retries: the downloads' HEAD retries for ~25 s)
+        pass
+    try:
+        HfApi().model_info(repo_id, revision=revision, timeout=10)
+        return None
+    except GatedRepoError:
+        return (f"'{repo_id}' is a gated hub repository: this machine has no access to it. Fix: accept its "
+                f"terms on the hub and log in (HF_TOKEN), or model.path=/path/to/a/local/model/folder")
+    except (RepositoryNotFoundError, RevisionNotFoundError) as error:
+        return (f"'{repo_id}' is not a model on the hub ({type(error).__name__}), nor a folder here. "
+                f"Fix: model.path=/path/to/a/local/model/folder, or the hub id of an existing model")
+    except Exception as error:
+        for _ in range(10):  # the root cause: "[Errno -2] Name or service not known", not the wrappers' prose
+            error = error.__cause__ or error.__context__ or error
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:120]}"
+        return (f"'{repo_id}' is a hub id, but the hub cannot be reached from here ({reason}) and the model is not "
+                f"in the hub cache ({constants.HF_HUB_CACHE}). Fix: model.path=/path/to/a/local/model/folder (on a "
+                f"machine with network: `hf download {repo_id} --local-dir <folder>`, then copy the folder here), or "
+                f"copy that machine's hub cache to this one (HF_HOME)")
+
+
 def is_resolvable(path: str) -> bool:
     """True when `path` names an embedded model, an existing folder, or looks like a hub id."""
     if path in EMBEDDED_MODELS or path == tiny_vlm.NAME or Path(path).expanduser().is_dir():
         return True
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    return looks_like_hub_id
+    return looks_like_hub_id(path)
 
 
 def is_complete(folder: Path) -> bool:

@@ -10,14 +10,27 @@ score parser (`reward.judge.parser`, "file.py:function" taking the judge's text 
 None, or the default `parse_score_1_to_10`: "Score: 7" -> (7 - 1) / 9) turns it into a reward. A reply
 that does not parse scores reward.judge.fallback_score and is counted: reward/judge_parse_failure_rate.
 Every judge output goes to <run_dir>/judge_outputs.jsonl (prompt, response, judge text, parsed score).
+
+The URL backend (`HTTPJudge`) is a client of someone else's server, so it bounds what it asks and what it
+takes, as OpenAI's own client does: at most reward.judge.max_concurrency requests in flight; each with
+reward.judge.timeout_s; a connection error, a timeout, 408 / 409 / 429 or a 5xx retried up to
+reward.judge.max_retries times with exponential backoff and jitter (0.5 s, 1 s, 2 s, ... capped at 8 s; a
+429's Retry-After up to 60 s); a reply over 1 MiB, or without choices[0].message.content, is a failed request.
+A request that still fails scores fallback_score and is counted (reward/judge_request_failure_rate); a batch
+whose every request failed, or a reply the retries cannot change (401, 403, 404, 400: a wrong key, URL or
+model name), stops the run with a JudgeError naming reward.judge.url and the fix.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import random
 import re
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -78,31 +91,108 @@ def prompt_text(raw_prompt) -> str:
 class JudgeResult:
     scores: np.ndarray  # [B] parsed scores, fallback_score where the judge's reply did not parse
     parsed: np.ndarray  # [B] bool
-    outputs: list[str]  # the judge's replies
+    outputs: list[str]  # the judge's replies ("" where a request failed)
+    failed: np.ndarray | None = None  # [B] bool: the request failed (URL backend), None: a backend without requests
 
     def metrics(self) -> dict[str, float]:
         ok = self.parsed
-        return {"reward/judge_parse_failure_rate": float(1.0 - ok.mean()) if len(ok) else 0.0,
-                "reward/judge_score_mean": float(self.scores[ok].mean()) if ok.any() else 0.0}
+        metrics = {"reward/judge_parse_failure_rate": float(1.0 - ok.mean()) if len(ok) else 0.0,
+                   "reward/judge_score_mean": float(self.scores[ok].mean()) if ok.any() else 0.0}
+        if self.failed is not None:
+            metrics["reward/judge_request_failure_rate"] = float(self.failed.mean()) if len(self.failed) else 0.0
+        return metrics
+
+
+class JudgeError(RuntimeError):
+    """The judge cannot be asked (its URL refuses the requests, or none got an answer); the message says what to fix."""
+
+
+RETRIED_STATUS = (408, 409, 429, 500, 502, 503, 504)  # worth another try; any other 4xx will not change
+MAX_REPLY_BYTES = 1 << 20
+MAX_BACKOFF_S, MAX_RETRY_AFTER_S = 8.0, 60.0
 
 
 class HTTPJudge:
-    """An OpenAI-compatible chat-completions endpoint (`reward.judge.url`, e.g. http://host:8000/v1)."""
+    """An OpenAI-compatible chat-completions endpoint (`reward.judge.url`, e.g. http://host:8000/v1): bounded
+    concurrency, a timeout per request, retries with backoff (the module docstring). `generate` returns each
+    prompt's reply, None where its request failed after the retries (`failures` keeps why)."""
 
-    def __init__(self, url: str, model: str, max_new_tokens: int, api_key: str = "", timeout_s: float = 60.0):
-        self.url, self.model, self.max_new_tokens = url.rstrip("/") + "/chat/completions", model, max_new_tokens
+    reports_request_failures = True
+
+    def __init__(self, url: str, model: str, max_new_tokens: int, api_key: str = "", timeout_s: float = 60.0,
+                 max_retries: int = 3, max_concurrency: int = 8, backoff_s: float = 0.5):
+        self.base_url = url.rstrip("/")
+        self.url, self.model, self.max_new_tokens = self.base_url + "/chat/completions", model, max_new_tokens
         self.api_key, self.timeout_s = api_key, timeout_s
+        self.max_retries, self.max_concurrency, self.backoff_s = max_retries, max(1, max_concurrency), backoff_s
+        self.failures: list[str] = []  # the last generate's failed requests, why
 
-    def generate(self, prompts: list[str]) -> list[str]:
-        return [self.one(p) for p in prompts]
+    def generate(self, prompts: list[str]) -> list[str | None]:
+        self.failures = []
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts)), thread_name_prefix="judge") as pool:
+            replies = list(pool.map(self.ask, prompts))
+        if all(reply is None for reply in replies):
+            raise JudgeError(f"reward.judge.url {self.base_url}: none of the {len(prompts)} requests got an answer "
+                             f"after {self.max_retries} retries; the last: {self.failures[-1]}. Fix: check that the "
+                             f"server is up and serves reward.judge.model={self.model!r} at this URL (or raise "
+                             "reward.judge.timeout_s / max_retries)")
+        return replies
 
-    def one(self, prompt: str) -> str:
+    def ask(self, prompt: str) -> str | None:
+        """One prompt's reply, retried as the module docstring says; None when every attempt failed."""
         body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": prompt}],
                            "max_tokens": self.max_new_tokens, "temperature": 0.0}).encode()
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
-        request = urllib.request.Request(self.url, data=body, headers=headers)
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-            return json.loads(reply.read())["choices"][0]["message"]["content"] or ""
+        for attempt in range(self.max_retries + 1):
+            wait = min(self.backoff_s * 2 ** attempt, MAX_BACKOFF_S) * random.uniform(0.75, 1.0)
+            try:
+                with urllib.request.urlopen(urllib.request.Request(self.url, data=body, headers=headers),
+                                            timeout=self.timeout_s) as reply:
+                    return reply_content(reply.read(MAX_REPLY_BYTES + 1))
+            except urllib.error.HTTPError as error:
+                if error.code not in RETRIED_STATUS:
+                    raise JudgeError(refused(self.base_url, error.code, self.model)) from None
+                why = f"HTTP {error.code}"
+                wait = max(wait, retry_after(error.headers.get("Retry-After")))
+            except (OSError, ValueError, http.client.HTTPException) as error:  # refused / reset, timeout; not a reply
+                why = f"{type(error).__name__}: {error}"
+            if attempt == self.max_retries:
+                self.failures.append(why)
+                return None
+            time.sleep(min(wait, MAX_RETRY_AFTER_S))
+        return None
+
+
+def reply_content(raw: bytes) -> str:
+    """choices[0].message.content of a chat-completions reply; ValueError for anything else (or over 1 MiB)."""
+    if len(raw) > MAX_REPLY_BYTES:
+        raise ValueError(f"reply over {MAX_REPLY_BYTES} bytes")
+    try:
+        content = json.loads(raw)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"not a chat-completions reply: {raw[:80]!r}") from None
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"choices[0].message.content is a {type(content).__name__}")
+    return content or ""
+
+
+def retry_after(header: str | None) -> float:
+    """A Retry-After of seconds (an HTTP date, or none: 0), capped at MAX_RETRY_AFTER_S."""
+    try:
+        return min(max(float(header), 0.0), MAX_RETRY_AFTER_S) if header else 0.0
+    except ValueError:
+        return 0.0
+
+
+def refused(url: str, status: int, model: str) -> str:
+    fixes = {401: "the key is missing or wrong: set the variable reward.judge.api_key_env names",
+             403: "the key may not use this model or endpoint",
+             404: "the URL has no /chat/completions: reward.judge.url is the API's base (http://host:port/v1)",
+             400: f"the server refused the request: is reward.judge.model={model!r} the name it serves?"}
+    return (f"reward.judge.url {url}: HTTP {status} for the judge's request, which retrying will not change. "
+            f"Fix: {fixes.get(status, 'check reward.judge.url and reward.judge.model')}")
 
 
 class EngineJudge:
@@ -154,13 +244,15 @@ class JudgeReward:
     def score(self, prompts: list[str], responses: list[str], ground_truths: list) -> JudgeResult:
         filled = [self.template.format(rubric=self.cfg.rubric or DEFAULT_RUBRIC, prompt=p, response=r,
                                        ground_truth=g) for p, r, g in zip(prompts, responses, ground_truths)]
-        outputs = []
+        replies = []
         for first in range(0, len(filled), self.cfg.batch_size):
-            outputs += self.backend.generate(filled[first:first + self.cfg.batch_size])
+            replies += self.backend.generate(filled[first:first + self.cfg.batch_size])
+        failed = np.array([reply is None for reply in replies], dtype=bool)  # a URL request that got no answer
+        outputs = ["" if reply is None else reply for reply in replies]
         values = []
-        for text in outputs:
+        for text, no_answer in zip(outputs, failed):
             try:
-                values.append(self.parse(text))
+                values.append(None if no_answer else self.parse(text))
             except Exception:  # a user parser that raises counts as a parse failure
                 values.append(None)
         parsed = np.array([v is not None for v in values], dtype=bool)
@@ -169,7 +261,8 @@ class JudgeReward:
             with open(self.log_file, "a") as f:
                 for p, r, o, v in zip(prompts, responses, outputs, values):
                     f.write(json.dumps({"time": time.time(), "prompt": p, "response": r, "judge": o, "score": v}) + "\n")
-        return JudgeResult(scores, parsed, outputs)
+        return JudgeResult(scores, parsed, outputs, failed if getattr(self.backend, "reports_request_failures", False)
+                           else None)
 
     def close(self) -> None:
         if hasattr(self.backend, "close"):
@@ -201,7 +294,7 @@ def build_judge(cfg, run_dir: Path, engine_settings: Callable[[], tuple] | None 
         import os
 
         backend = HTTPJudge(judge.url, judge.model, judge.max_new_tokens, os.environ.get(judge.api_key_env, ""),
-                            judge.timeout_s)
+                            judge.timeout_s, max_retries=judge.max_retries, max_concurrency=judge.max_concurrency)
     else:
         settings, tokenizer = engine_settings()
         backend = EngineJudge(settings, tokenizer, judge.timeout_s)

@@ -25,6 +25,10 @@ REWARD_TYPE is absent); one with more (``data_source, solution_str, ...``) is ve
 ``async def`` functions are awaited. ``reward_kwargs`` (``reward.functions[i].kwargs``) are passed
 as keyword arguments on every call.
 
+Loading binds that call to the function's signature without running it (``signature_problem``): a
+function that fits none of the forms (``compute_score(solution_str, ground_truth)``) or does not take the
+configured ``kwargs`` is a ``RewardLoadError`` before any worker starts, not a failure on every sample.
+
 ``path:name`` (EasyR1's ``reward_function=./math.py:compute_score``) names the function in the path.
 
 The file's own directory is appended to ``sys.path``, so a reward file can import its sibling
@@ -266,6 +270,44 @@ def _keyword_call(fn: Callable) -> bool:
     return has_var_kw or all(name in params for name in SAMPLE_ARGS[:3])
 
 
+SAMPLE_FORM = "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
+FORMS = {SAMPLE: f"verl's per-sample form {SAMPLE_FORM}",
+         BATCH: "EasyR1's batch form compute_score(reward_inputs, **kwargs)",
+         SEQUENTIAL: "EasyR1's sequential form compute_score(reward_input, **kwargs)"}
+
+
+def signature_problem(fn: Callable, kind: str, by_keyword: bool, kwargs: dict) -> str | None:
+    """Why `fn` cannot take the call its kind makes (with the configured `kwargs`), or None.
+
+    The call is bound to the signature without running it: a two-argument `f(solution_str, ground_truth)`
+    (neither verl's nor EasyR1's form) or a function without the configured keyword arguments would otherwise
+    fail on every sample, at the first step. A callable whose signature Python cannot read is not checked."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    if kind == SAMPLE:
+        call = ((), dict.fromkeys(SAMPLE_ARGS)) if by_keyword else ((None,) * len(SAMPLE_ARGS), {})
+    else:
+        call = (([] if kind == BATCH else {},), {})
+    args, keywords = call
+    try:
+        signature.bind(*args, **keywords)
+    except TypeError as error:
+        others = " nor ".join(FORMS[k] for k in (SAMPLE, BATCH) if k != kind)
+        return (f"its signature {fn.__name__}{signature} is not {FORMS[kind]}, the call it gets ({error}), nor "
+                f"{others}. Fix: write it in one of these forms (when the signature does not say which, REWARD_TYPE "
+                f"in the file or reward.functions[i].reward_type names it)")
+    if kwargs:
+        try:
+            signature.bind(*args, **keywords, **kwargs)
+        except TypeError as error:
+            return (f"{fn.__name__}{signature} does not take the keyword arguments that reward.functions[i].kwargs "
+                    f"passes on every call ({', '.join(map(repr, kwargs))}: {error}). Fix: add them (or **kwargs) "
+                    f"to its parameters, or remove them from reward.functions[i].kwargs")
+    return None
+
+
 def _await(result: Any) -> Any:
     if inspect.isawaitable(result):
         import asyncio
@@ -317,6 +359,9 @@ class RewardFunction:
                 f"{self.name!r} in reward file {path} is a {type(fn).__name__}, not a function")
         self.kind = _reward_kind(module, path, fn, self.reward_type)
         self._by_keyword = _keyword_call(fn)
+        problem = signature_problem(fn, self.kind, self._by_keyword, self.kwargs)
+        if problem is not None:
+            raise RewardLoadError(f"{self.name!r} in reward file {path}: {problem}")
         self._fn = fn
         return fn
 

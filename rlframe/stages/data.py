@@ -67,6 +67,9 @@ def _messages(value: Any, key: str) -> list[dict]:
         raise BadRow(f"field {key!r}: expected a string or a list of chat messages, got {type(value).__name__}")
     if not messages or not all(isinstance(m.get("content"), str) and m.get("role") for m in messages):
         raise BadRow(f"field {key!r}: expected a non-empty list of {{'role', 'content'}} messages")
+    empty = next((j for j, m in enumerate(messages) if not m["content"].strip()), None)
+    if empty is not None:
+        raise BadRow(f"field '{key}[{empty}].content': empty ({messages[empty]['role']} message); fill it or drop the message")
     return messages
 
 

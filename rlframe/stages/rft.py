@@ -80,10 +80,11 @@ def judge_engine_settings(cfg: RLConfig) -> tuple[RolloutSettings, object]:
 
 class RFTTrainer(StageTrainer):
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
-                 run_dir: Path):
+                 run_dir: Path, datasets: dict | None = None):
         super().__init__(cfg, model_path, tokenizer, run_dir)
         rft = cfg.rft
-        self.prompts = pair_prompts(cfg, tokenizer, train_files)
+        datasets = datasets or {}  # (the pre-Ray checks' prompts: rlframe/preflight.py)
+        self.prompts = datasets["train"] if "train" in datasets else pair_prompts(cfg, tokenizer, train_files)
         self.prompt_order = np.random.default_rng(cfg.data.seed).permutation(len(self.prompts)).tolist()
         preference = PreferenceSettings(loss_type="rrhf", group_size=rft.n) if rft.loss == "rrhf" else None
         self.roles = {"actor_rollout": (PolicyTrainerWorker, {"settings": rft_settings(cfg, model_path),

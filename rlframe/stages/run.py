@@ -22,8 +22,11 @@ DRIVERS = {  # stage -> "module:Class", imported only when chosen
 
 
 def make_trainer(cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
-                 run_dir: Path):
-    """The driver of cfg.stage, built on the run's data files."""
+                 run_dir: Path, datasets: dict | None = None):
+    """The driver of cfg.stage, built on the run's data files; `datasets`: those the pre-Ray checks built from
+    them (rlframe/preflight.py: stage rl and rft), which the driver takes instead of building them again."""
     module, name = DRIVERS[cfg.stage].split(":")
     driver = getattr(importlib.import_module(module), name)
+    if datasets:
+        return driver(cfg, model_path, tokenizer, train_files, val_files, run_dir, datasets=datasets)
     return driver(cfg, model_path, tokenizer, train_files, val_files, run_dir)

@@ -219,7 +219,8 @@ STEP_LOGS = ("metrics.jsonl", "timeline.jsonl")  # one JSON object per line, eac
 def trim_metrics_log(run_dir: Path, step: int) -> int:
     """Drop the lines of metrics.jsonl and timeline.jsonl of steps after `step` (logged by a run that died
     before saving them), and a last line cut by the crash. The resumed run logs those steps again, so
-    each file ends up with each step once. Returns the number of metrics.jsonl lines dropped."""
+    each file ends up with each step once. `step` -1: every line (a start from scratch logs step 0, the
+    validation before training, again). Returns the number of metrics.jsonl lines dropped."""
     dropped = {}
     for name in STEP_LOGS:
         path = Path(run_dir) / name

@@ -71,13 +71,18 @@ class RLTrainer(RunLoop):
     writes_report = True
 
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
-                 run_dir: Path):
+                 run_dir: Path, datasets: dict | None = None):
+        """`datasets`: "train" (and "val") already built from these files with dataset_options(cfg) (the pre-Ray
+        checks, rlframe/preflight.py); built here when absent."""
         super().__init__(cfg, model_path, tokenizer, run_dir)
-        self.train_set = RLDataset(train_files, tokenizer, **dataset_options(cfg))
+        datasets = datasets or {}
+        self.train_set = datasets["train"] if "train" in datasets else RLDataset(train_files, tokenizer,
+                                                                                  **dataset_options(cfg))
         if cfg.trainer.total_epochs:  # epochs (verl/EasyR1) -> steps, from the dataset's size
             cfg.trainer.total_steps = cfg.trainer.total_epochs * max(1, len(self.train_set) // cfg.data.train_batch_size)
             logger.info("trainer.total_epochs=%d: %d steps", cfg.trainer.total_epochs, cfg.trainer.total_steps)
-        self.val_set = RLDataset(val_files, tokenizer, **dataset_options(cfg)) if val_files else None
+        self.val_set = None if not val_files else (
+            datasets["val"] if "val" in datasets else RLDataset(val_files, tokenizer, **dataset_options(cfg)))
         self.scorer = Scorer(cfg, tokenizer, self.clock)
         self.plan_run(cfg.trainer.total_steps)
         self.rollouts = RolloutSource(cfg, self.train_set, self.scorer, self.clock, model_path, self.pad_token_id)

@@ -103,6 +103,8 @@ class RunLoop:
                 self.workers.shutdown()
                 self.launch_workers()
                 self.resume_from = checkpoint.find_latest_complete(self.run_dir)
+                # the steps after it run again: their lines go (before the first checkpoint, every line)
+                self.tracker.rewind(self.resume_from.step if self.resume_from is not None else -1)
 
     def run(self, start_step: int) -> dict:
         cfg = self.cfg

@@ -80,6 +80,17 @@ class Tracker:
         if self.progress is not None:
             self.progress.show(step, clean)
 
+    def rewind(self, step: int) -> None:
+        """Forget the jsonl lines of the steps after `step` (-1: all) before they are trained again (a restart
+        after a worker died): metrics.jsonl is rewritten without them and this tracker appends to the new file."""
+        from rlframe.trainer.checkpoint import trim_metrics_log
+
+        if self.jsonl is not None:
+            self.jsonl.close()
+        trim_metrics_log(self.run_dir, step)
+        if self.jsonl is not None:
+            self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+
     def log_samples(self, step: int, kind: str, rows: list[dict]) -> None:
         """Sample rollouts ({response, ground_truth, score}) as a wandb table (the report reads the jsonl)."""
         if self.wandb is None or not rows:

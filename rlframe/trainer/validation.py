@@ -35,8 +35,11 @@ def add_environment_rows(prompts: DataProto, batch: DataProto, cfg: RLConfig) ->
 
 
 def split_prompts(batch: DataProto, cfg: RLConfig) -> DataProto:
-    """The engine's part of a batch of prompt rows (ids, masks, images, environment rows), popped from `batch`."""
+    """The engine's part of a batch of prompt rows (ids, masks, images, environment rows), popped from `batch`,
+    with the batch's step: the engines seed a training step's sampling from it (workers/rollout/base.py)."""
     prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+    if "step" in batch.meta_info:
+        prompts.meta_info["step"] = batch.meta_info["step"]
     share_multi_modal_fields(prompts, batch)  # rows with images: the rollout engine needs them
     add_environment_rows(prompts, batch, cfg)
     return prompts

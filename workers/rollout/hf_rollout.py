@@ -4,6 +4,10 @@ The engine keeps its own unsharded copy of the policy (generation calls the mode
 number of times on each rank, which a sharded model cannot do), refreshed by `load_weights`. With
 `lora` (adapter-only weight sync) the copy carries the same LoRA layers as the trainer and
 `load_adapter` refreshes only their A and B.
+
+Rows that carry a `sample_seed` (`rollout.seed_each_sample`, rlframe/rng.py) are sampled as vLLM samples
+them: each from its own generator seeded by that number, so a response depends on its seed alone, not on
+the other rows of the batch or on the process's torch RNG (`SeededSampling`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from rlframe.device import DeviceProfile
 from rlframe.protocol import DataProto
@@ -18,6 +24,32 @@ from rlframe.workers.engine.hf_model import build_causal_lm
 from rlframe.protocol import build_rollout_batch
 from rlframe.workers.settings import LoraSettings, SamplingSettings
 from rlframe.workers.weight_broadcast import checksums_of
+
+
+class SeededSampling(LogitsProcessor):
+    """Sampling from temperature / top-k / top-p with one torch generator per row, run inside greedy decoding.
+
+    Gumbel-max: argmax(log_softmax(z) + G), G = -log(-log(U)), U ~ uniform, is a draw from softmax(z); with
+    U from the row's own generator (seeded by its `sample_seed`) the row's tokens depend on that seed alone.
+    The warpers are transformers' own, in the order its sampling applies them. Returned scores are only
+    the argmax's input: the recorded log-probs come from the raw logits (`output_logits`).
+    """
+
+    def __init__(self, sampling: SamplingSettings, seeds, device):
+        self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
+        if sampling.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.generators = [torch.Generator(device=device).manual_seed(int(seed)) for seed in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        uniform = torch.stack([torch.rand(scores.size(-1), generator=g, device=scores.device, dtype=torch.float64)
+                               for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
+        return torch.log_softmax(scores.double(), dim=-1) + gumbel
 
 
 class HFRollout:
@@ -73,7 +105,10 @@ class HFRollout:
         kwargs = dict(do_sample=not sampling.greedy, max_new_tokens=sampling.max_new_tokens,
                       eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
                       output_logits=True, return_dict_in_generate=True)
-        if not sampling.greedy:
+        seeds = part.non_tensor_batch.get("sample_seed")
+        if not sampling.greedy and seeds is not None:  # one generator per row: greedy decoding of Gumbel-perturbed scores
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([SeededSampling(sampling, seeds, device)]))
+        elif not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else None)
         kwargs.update(self._image_inputs(part, input_ids))
