@@ -1,4 +1,4 @@
-"""Entry point: `python -m rlframe.main recipe=grpo_math [key=value ...]`.
+"""Entry point: `python -m rlframe.main recipe=grpo_math [key=value ...]` (`--help`, `--keys [prefix]`, `--cfg job`).
 
 The recipe is a YAML file in `recipes/` (or a path to one); every other argument is a Hydra
 override (`actor.optim.lr=1e-6`, `+key=value`, `~key`). The composed config is merged onto the
@@ -389,7 +389,13 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    from rlframe.cli_help import handle_info_flags, print_composed
+
+    if handle_info_flags("rlframe.main", argv):  # --help / -h, --keys [prefix]
+        return
     try:
+        if "--cfg" in argv:  # --cfg job: the composed configuration, nothing run
+            return print_composed(compose_config, argv)
         cfg = compose_config(argv)
         validate_config(cfg)
         with stop_signals():  # SIGINT / SIGTERM: stop at the next safe point (between steps); a second one: at once

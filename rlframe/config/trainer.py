@@ -15,22 +15,25 @@ from rlframe.workers.engine.registry import ENGINES
 @dataclass
 class TimeoutConfig:
     rollout: float = bounded(1800.0, "> 0")  # seconds
+    # seconds for one compute_log_prob / reference / value pass before the call is reported as stuck
     log_prob: float = bounded(1800.0, "> 0")
-    update: float = bounded(3600.0, "> 0")
-    weight_sync: float = bounded(600.0, "> 0")
-    init: float = bounded(900.0, "> 0")
+    update: float = bounded(3600.0, "> 0")  # seconds for one actor or critic update
+    weight_sync: float = bounded(600.0, "> 0")  # seconds for one weight sync into the rollout engines
+    init: float = bounded(900.0, "> 0")  # seconds for the workers to start and build their models
 
 
 @dataclass
 class RuntimeEnvConfig:
     """What every worker on every node gets (Ray runtime_env): env vars and an uploaded working dir."""
 
+    # environment variables for every worker (a new one: +trainer.runtime_env.env_vars.NAME=value)
     env_vars: dict[str, str] = field(default_factory=dict)
     working_dir: Optional[str] = None  # uploaded to every node; its files are importable there
 
 
 @dataclass
 class TrainerConfig:
+    # training steps (RL: one batch of data.train_batch_size prompts each; stage recipes: optimiser steps, as a cap)
     total_steps: int = bounded(20, ">= 1")
     # Passes over the training data (verl/EasyR1 total_epochs); set, it replaces total_steps with
     # total_epochs x (training rows // data.train_batch_size).
@@ -39,30 +42,32 @@ class TrainerConfig:
     # false: the console shows our progress line and our warnings; vLLM / Ray / transformers / torch output goes
     # to <run_dir>/logs/ (driver.log, worker-<pid>.log). true: everything on the console as well.
     verbose: bool = False
-    project_name: str = "rlframe"
+    project_name: str = "rlframe"  # the wandb project (and tensorboard's grouping)
+    # the run's name: wandb's run name and the default run directory runs/<experiment_name>-<time>
     experiment_name: str = "grpo_math"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
-    val_before_train: bool = True
-    val_at_end: bool = True
+    val_before_train: bool = True  # validate once before the first step (step 0 of metrics.jsonl)
+    val_at_end: bool = True  # validate after the last step (summary.json's val_after)
     # Reorder each batch so every data-parallel rank gets a near-equal number of tokens (a greedy
     # equal-count partition; the spread is at most one sequence's length) before it is split.
     balance_batch: bool = True
     val_every: int = bounded(0, ">= 0", "0: only before and after training")
-    seed: int = bounded(0, ">= 0")
+    seed: int = bounded(0, ">= 0")  # the run's seed: rollout sampling (rollout.seed_each_sample), evaluation repeats (seed + r), new heads
     device: str = "auto"  # auto | cpu | cuda
     num_cpus: Optional[int] = bounded(None, ">= 1", "null: all cores")  # CPUs given to a local Ray cluster
     cpus_per_worker: Optional[float] = bounded(None, "> 0")  # default: num_cpus / actor.world_size
+    # a running Ray cluster to join (auto, ray://host:10001, host:6379); null: RAY_ADDRESS, else start a local one
     ray_address: Optional[str] = None
     # Multi-node placement (rlframe/trainer/launch.py, examples/multinode.md). colocated: actor,
     # rollout and ref share every device; disaggregated: rollout engines on their own devices (nodes).
     placement: str = "colocated"  # colocated | disaggregated
-    nnodes: int = bounded(1, ">= 1")
+    nnodes: int = bounded(1, ">= 1")  # nodes the run's placement spans (with devices_per_node; docs/multinode.md)
     devices_per_node: Optional[int] = bounded(None, ">= 1")  # GPUs (or CPU slots of cpus_per_worker) per node; None: legacy one-node pool
     # Optional node pinning: one custom Ray resource per node (ray start --resources='{"node_a": 1}');
     # node i's bundles go to the node that has node_resources[i]. Empty: Ray node ids picked by the driver.
     node_resources: list[str] = field(default_factory=list)
     runtime_env: RuntimeEnvConfig = field(default_factory=lambda: RuntimeEnvConfig())
-    export_hf: bool = True
+    export_hf: bool = True  # write the trained model as an HF folder at the end (<run_dir>/hf_model)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     critic_warmup: int = bounded(0, ">= 0")  # PPO: the first N steps train only the critic (the actor is not updated)
     # Checkpoints (<run_dir>/checkpoints/step_N, see rlframe/trainer/checkpoint.py): every
