@@ -199,7 +199,7 @@ def docs_page_of(recipe: dict) -> str:
         return f"engines/{actor['strategy']}.md"
     if (model.get("lora") or {}).get("rank"):
         return "engines/lora.md"
-    if "gateway" in rollout:
+    if "agent_program" in rollout:
         return "gateway.md"
     if "multi_turn" in rollout or "agent" in rollout:
         return "agents.md"
@@ -221,9 +221,9 @@ def recipe_rows() -> list[RecipeRow]:
     return rows
 
 
-def recipe_table(page_dir: str = "") -> str:
-    """The recipe table as markdown; links are relative to `page_dir` (the including page's folder under docs/)."""
-    up = "../" * len([p for p in page_dir.split("/") if p])
+def recipe_table(link_prefix: str = "") -> str:
+    """The recipe table as markdown; `link_prefix` leads from the including page to docs/ ("../", "docs/")."""
+    up = link_prefix
     lines = ["| recipe | stage | what | read |", "|---|---|---|---|"]
     for row in recipe_rows():
         lines.append(f"| `{row.name}` | {row.stage} | {md_text(row.summary).replace('|', '&#124;')} | "
@@ -249,3 +249,27 @@ def metrics_page() -> str:
                   f"{md_text(m.healthy).replace('|', '&#124;') or '-'} |" for m in entries]
         lines.append("")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ README
+README_START, README_END = "<!-- recipes-table:start (generated: python -m rlframe.docs_gen) -->", "<!-- recipes-table:end -->"
+
+
+def readme_with_table(text: str) -> str:
+    """README.md's text with the generated recipe table between its markers (GitHub renders it without mkdocs)."""
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_START}\n{recipe_table('docs/')}\n{README_END}{tail}"
+
+
+def main() -> None:
+    """`python -m rlframe.docs_gen`: rewrite README.md's recipe table (the docs site renders its own at build)."""
+    from rlframe.main import REPO_ROOT
+
+    readme = REPO_ROOT / "README.md"
+    readme.write_text(readme_with_table(readme.read_text()))
+    print(f"wrote the recipe table of {readme}")
+
+
+if __name__ == "__main__":
+    main()

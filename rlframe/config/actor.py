@@ -14,8 +14,9 @@ from rlframe.workers.engine.registry import ENGINES
 class OptimConfig:
     lr: float = bounded(1e-6, "> 0")  # AdamW's peak learning rate (after warm-up; constant afterwards)
     weight_decay: float = bounded(0.0, ">= 0")  # AdamW's decoupled weight decay
-    betas: list[float] = bounded([0.9, 0.999], "[0, 1)", "Adam's (beta1, beta2)", length=2)
-    warmup_steps: int = bounded(0, ">= 0", "0: no warm-up")
+    betas: list[float] = bounded([0.9, 0.999], "[0, 1)", "Adam's (beta1, beta2)", length=2)  # AdamW's betas
+    warmup_steps: int = bounded(0, ">= 0", "0: no warm-up")  # steps of linear learning-rate warm-up from 0 to lr
+    # clip the gradient's global norm to this before each step
     grad_clip: float = bounded(1.0, "> 0", "the gradient norm's ceiling: at or below 0 every gradient is zeroed or flipped")
 
 
@@ -26,6 +27,7 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = bounded(8, ">= 1")  # prompts per optimiser step (x rollout.n sequences)
     ppo_micro_batch_size_per_device: int = bounded(4, ">= 1")  # sequences per forward/backward
+    # passes of policy updates over each step's batch
     ppo_epochs: int = bounded(1, ">= 1", "0 would never update the policy")
     shuffle: bool = True  # shuffle the rows before cutting them into mini-batches (each epoch)
     policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo | cispo | your own (algorithm.custom_policy_loss)
@@ -53,6 +55,7 @@ class ActorConfig:
     # Dynamic micro-batches: instead of a fixed count, pack rows up to a token budget per forward
     # (0 = off: use the fixed ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device).
     ppo_max_token_len_per_device: int = bounded(0, ">= 0", "0: off")
+    # the same token budget for the log-prob passes
     log_prob_max_token_len_per_device: int = bounded(0, ">= 0", "0: off")
     # Ulysses sequence parallelism: each group of this many consecutive ranks shares every packed row
     # (1/P of the tokens each; all-to-all around attention). Must divide world_size and the model's

@@ -65,6 +65,7 @@ class AlgorithmConfig:
     turn_gamma: float = bounded(1.0, "[0, 1]")  # grpo_turn: discount per model turn of a multi-turn rollout (not per token)
     # a KL-to-reference term in the actor's loss (kl_loss_coef, kl_loss_type); starts the reference policy
     use_kl_loss: bool = True
+    # the KL loss's weight in the actor's loss (use_kl_loss)
     kl_loss_coef: float = bounded(0.001, ">= 0", "below 0 the loss would push the policy away from the reference")
     kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 / low_var_kl | abs | mse
     whiten_advantages: bool = False  # whiten the advantages over the batch (usual for PPO with gae)
@@ -85,6 +86,7 @@ class AlgorithmConfig:
     # term by min(pi_old / pi_rollout, tis_cap), pi_rollout being the engine's log-probs of its samples |
     # none | auto: tis with trainer.async_rollout (samples from older weights), none otherwise.
     off_policy_correction: str = "auto"
+    # TIS: the cap of the per-token importance weight pi_trainer / pi_engine
     tis_cap: float = bounded(2.0, ">= 1", "a cap below 1 down-weights even on-policy tokens")
 
 

@@ -128,11 +128,11 @@ class AgentProgramConfig:
 class RolloutConfig:
     engine: str = one_of("auto", ENGINES)  # auto (vllm when installed, else hf) | vllm | hf
     n: int = bounded(4, ">= 1")  # samples per prompt
-    temperature: float = bounded(1.0, ">= 0", "0: greedy")
+    temperature: float = bounded(1.0, ">= 0", "0: greedy")  # sampling temperature of the training rollouts
     # nucleus sampling: sample from the smallest set of tokens holding this probability (1: off)
     top_p: float = bounded(1.0, "(0, 1]")
-    top_k: int = bounded(-1, ">= -1", "-1 or 0: off")
-    val_temperature: float = bounded(0.0, ">= 0", "0: greedy validation")
+    top_k: int = bounded(-1, ">= -1", "-1 or 0: off")  # sample from the k most likely tokens only
+    val_temperature: float = bounded(0.0, ">= 0", "0: greedy validation")  # sampling temperature of validation
     # Seed every training sample's sampling from (trainer.seed, step, prompt uid, sample index), so that a
     # resumed run samples the same tokens with vLLM (whose engine RNG is not checkpointed) as without
     # the interruption. Costs vLLM a per-request generator in its sampler (small on CPU; on GPU at

@@ -51,7 +51,7 @@ class TrainerConfig:
     # Reorder each batch so every data-parallel rank gets a near-equal number of tokens (a greedy
     # equal-count partition; the spread is at most one sequence's length) before it is split.
     balance_batch: bool = True
-    val_every: int = bounded(0, ">= 0", "0: only before and after training")
+    val_every: int = bounded(0, ">= 0", "0: only before and after training")  # validate every N steps
     seed: int = bounded(0, ">= 0")  # the run's seed: rollout sampling (rollout.seed_each_sample), evaluation repeats (seed + r), new heads
     device: str = "auto"  # auto | cpu | cuda
     num_cpus: Optional[int] = bounded(None, ">= 1", "null: all cores")  # CPUs given to a local Ray cluster
@@ -112,6 +112,7 @@ class TrainerConfig:
     # Ray's object store and loaded by the engines between generations, so the trainer never waits for them to
     # finish generating). Corrected by algorithm.off_policy_correction.
     async_rollout: bool = False
+    # asynchronous rollout: how many steps generation may run ahead of training
     max_staleness: int = bounded(1, ">= 0", "0: after each sync, as the synchronous loop; k: k steps ahead")
     # Checks on every RL step that warn about or stop a run that silently broke (rlframe/config/gates.py).
     gates: GatesConfig = field(default_factory=GatesConfig)
