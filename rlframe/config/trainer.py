@@ -33,8 +33,9 @@ class RuntimeEnvConfig:
 
 @dataclass
 class TrainerConfig:
-    # training steps (RL: one batch of data.train_batch_size prompts each; stage recipes: optimiser steps, as a cap)
-    total_steps: int = bounded(20, ">= 1")
+    # Training steps. RL: one batch of data.train_batch_size prompts each (>= 1). Stage recipes (pt, sft, dpo, rm,
+    # rft): a cap on the steps their epochs (rft: rounds) give, with a note; 0: no cap (their recipes' value).
+    total_steps: int = bounded(20, ">= 0", "0: a stage's own epochs or rounds; an RL run needs >= 1")
     # Passes over the training data (verl/EasyR1 total_epochs); set, it replaces total_steps with
     # total_epochs x (training rows // data.train_batch_size).
     total_epochs: Optional[int] = bounded(None, ">= 1", "null: run trainer.total_steps steps")
@@ -221,6 +222,13 @@ def async_rollout_can_run_ahead(cfg, need) -> None:
          "generate it ahead. Fix: another estimator (grpo, rloo), or trainer.async_rollout=false")
 
 
+def rl_run_has_steps(cfg, need) -> None:
+    t = cfg.trainer
+    need(cfg.stage != "rl" or t.total_steps >= 1 or bool(t.total_epochs), "trainer.total_steps",
+         "0 means 'as many as the epochs give' for the stage recipes (pt, sft, dpo, rm, rft); an RL run needs a count. "
+         "Fix: trainer.total_steps=20, or trainer.total_epochs=1")
+
+
 def loggers_known(cfg, need) -> None:
     unknown_loggers = set(cfg.trainer.loggers) - set(LOGGERS)
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
@@ -228,4 +236,4 @@ def loggers_known(cfg, need) -> None:
 
 CHECKS = (checkpoint_format_supported, memory_check_known, device_known, run_dir_is_a_folder, checkpoint_schedule_valid,
           critic_warmup_has_a_critic, placement_fits_nodes, async_rollout_can_run_ahead,
-          loggers_known) + GATE_CHECKS
+          rl_run_has_steps, loggers_known) + GATE_CHECKS
