@@ -121,3 +121,16 @@ def test_docs_include_the_generated_table_instead_of_a_copy(page):
     text = (REPO_ROOT / "docs" / page).read_text()
     assert "<!-- recipes-table -->" in text
     assert "| `grpo_math` |" not in text
+
+
+def test_every_gpu_install_line_keeps_the_default_extras():
+    """The GPU line is the CPU default's extras with gpu for cpu (it once dropped board, eval and agents)."""
+    import re
+
+    default = re.search(r"echo (cpu,[a-z,]+)\)", (REPO_ROOT / "Makefile").read_text()).group(1).split(",")
+    wanted = {"gpu"} | set(default) - {"cpu"}
+    pages = [REPO_ROOT / "Makefile", REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    lines = [(page.name, m.group(1)) for page in pages for m in re.finditer(r"EXTRAS=(gpu[a-z,]*)", page.read_text())]
+    assert len(lines) >= 5
+    for page, extras in lines:
+        assert set(extras.split(",")) >= wanted, f"{page}: EXTRAS={extras} lacks {sorted(wanted - set(extras.split(',')))}"
