@@ -307,6 +307,18 @@ class PreparedRun:
     val_files: list[str]
 
 
+def runs_folder() -> Path:
+    """Where a run without trainer.run_dir goes: $RLFRAME_RUNS_DIR; else, run as a Ray job (`ray job submit`, whose
+    working directory is a temporary copy), ~/rlframe/runs on the node the driver runs on; else ./runs."""
+    import os
+
+    from rlframe.controller.cluster import JOB_CONFIG_ENV
+
+    if os.environ.get("RLFRAME_RUNS_DIR"):
+        return Path(os.environ["RLFRAME_RUNS_DIR"]).expanduser()
+    return Path("~/rlframe/runs").expanduser() if os.environ.get(JOB_CONFIG_ENV) else Path("runs")
+
+
 def prepare_run(cfg: RLConfig) -> PreparedRun:
     """Everything that can be known before Ray starts, after validate_config: the run directory's lock and where
     the run starts (checkpoints, resume), then check_before_ray. Starts no Ray and no worker; bad input raises one
@@ -314,7 +326,7 @@ def prepare_run(cfg: RLConfig) -> PreparedRun:
     from rlframe.trainer.run_dir import RunDirError, claim_run_dir
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.trainer.run_dir or f"runs/{cfg.trainer.experiment_name}-{stamp}").resolve()
+    run_dir = Path(cfg.trainer.run_dir or runs_folder() / f"{cfg.trainer.experiment_name}-{stamp}").resolve()
     try:  # the run directory's lock (a second run there is refused) and where this run starts, before anything is written
         claim_run_dir(cfg, run_dir)
     except RunDirError as err:

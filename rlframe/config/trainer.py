@@ -39,7 +39,9 @@ class TrainerConfig:
     # Passes over the training data (verl/EasyR1 total_epochs); set, it replaces total_steps with
     # total_epochs x (training rows // data.train_batch_size).
     total_epochs: Optional[int] = bounded(None, ">= 1", "null: run trainer.total_steps steps")
-    run_dir: Optional[str] = None  # default: runs/<experiment_name>-<timestamp>
+    # default: <runs>/<experiment_name>-<timestamp>, <runs> being $RLFRAME_RUNS_DIR, else ~/rlframe/runs under
+    # `ray job submit` (its working directory is a temporary copy), else ./runs
+    run_dir: Optional[str] = None
     # false: the console shows our progress line and our warnings; vLLM / Ray / transformers / torch output goes
     # to <run_dir>/logs/ (driver.log, worker-<pid>.log). true: everything on the console as well.
     verbose: bool = False
