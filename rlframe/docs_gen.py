@@ -233,13 +233,14 @@ def recipe_table(link_prefix: str = "") -> str:
 
 # ------------------------------------------------------------------------------------ metrics
 def metrics_page() -> str:
-    from rlframe.trainer.metric_glossary import METRICS, SECTIONS
+    from rlframe.trainer.metric_glossary import HEALTHY_RUN, METRICS, SECTIONS
 
     lines = ["# Metrics glossary", "",
              "Every metric a run logs (to `<run_dir>/metrics.jsonl`, the console's progress line, wandb and "
              "tensorboard, and the curves of `report.html`), with its meaning and what a healthy run shows. Generated "
              "from the registry `rlframe/trainer/metric_glossary.py` at every docs build; a test fails when a run "
-             "logs a name that is not in it. `*` stands for one or more path parts (`timing/*`: `timing/gen`, ...).", ""]
+             "logs a name that is not in it. `*` stands for one or more path parts (`timing/*`: `timing/rollout`, ...).", "",
+             "## A healthy run at a glance", "", *[f"- {md_text(line)}" for line in HEALTHY_RUN], ""]
     for section, intro in SECTIONS.items():
         entries = [m for m in METRICS if m.section == section]
         if not entries:

@@ -25,6 +25,21 @@ class Metric:
     healthy: str = ""
 
 
+# A healthy RL run at a glance, in report.html's charts (rendered above the tables of docs/metrics.md).
+HEALTHY_RUN = (
+    "Reward and accuracy (critic/score/mean, val/reward_mean, val/accuracy) rise, noisily per step, steadily over "
+    "tens of steps; validation moves less often and more smoothly than the training score.",
+    "The log-prob gap (rollout/logprob_abs_diff) stays flat at its dtype's floor: a step up means the engine "
+    "samples from other weights than the trainer trains.",
+    "KL to the reference (actor/kl_loss, or reward/kl_penalty) grows slowly from 0; entropy (actor/entropy, "
+    "rollout/sampled_nll) falls slowly, never to 0 within a few steps.",
+    "Clip fractions stay low (0 on exactly on-policy steps); actor/grad_norm stays within a small factor of its "
+    "first values.",
+    "Response length (response_length/mean) changes slowly; response_length/clip_ratio near 1 means answers stopped "
+    "ending before the budget.",
+    "Phase times (timing/*) are flat over the run; rollout and update dominate, weight_sync and reward stay small.",
+)
+
 SECTIONS = {
     "reward": "What the rollouts scored (training samples; `critic/score/mean` is the headline of the progress line).",
     "validation": "The validation set, at step 0 (before training), every trainer.val_every steps and after the last.",
