@@ -62,8 +62,8 @@ METRICS: tuple[Metric, ...] = (
     # reward
     Metric("critic/score/mean", R, "Mean score of the step's training samples (all reward functions, weighted, "
            "plus a reward model's or environment's part), before any KL or overlong shaping.",
-           "Rises over the run; on grpo_math from ~0.1-0.2 towards 0.4-0.5 within 20 steps. Flat for many steps: "
-           "no signal (see reward/zero_variance_groups)."),
+           "Rises over the run, noisily per step (the main job's validation reward over its 14 steps: 0.2109 -> "
+           "0.4922). Flat for many steps: no signal (see reward/zero_variance_groups)."),
     Metric("critic/rewards/mean", R, "Mean reward per sample after shaping (the KL penalty in the reward, the "
            "overlong penalty).", "Follows critic/score/mean, a little below it when a penalty is on."),
     Metric("critic/accuracy", R, "Share of training samples the reward function marked correct (its `acc` field).",
@@ -189,7 +189,8 @@ METRICS: tuple[Metric, ...] = (
            "rollout and update dominate; weight_sync and reward stay small."),
     # performance
     Metric("perf/mfu", P, "Model FLOPs utilisation: model_tflops / (peak TFLOP/s x devices) (trainer.peak_tflops).",
-           "GPU bf16: 0.2-0.5 for the update; on CPU a few percent of the fp32 peak."),
+           "Stable over the run; its level depends on the hardware and trainer.peak_tflops (not yet measured on a "
+           "GPU here; docs/benchmarks.md has the CPU figures)."),
     Metric("perf/model_tflops", P, "Model TFLOP/s of the step (6N per trained token, 2N per generated and "
            "forward token).", ""),
     Metric("perf/tokens_per_s/*", P, "Tokens per second of one phase (rollout, update, ref_log_prob, ...).",
