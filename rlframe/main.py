@@ -134,7 +134,7 @@ def compose_config(argv: list[str]) -> RLConfig:
     for notice in agent_notices + notices:
         print(f"note: {notice}", flush=True)
     recipe = recipe_args[-1].split("=", 1)[1] if recipe_args else "grpo_math"
-    recipe_path = Path(recipe) if recipe.endswith((".yaml", ".yml")) else RECIPES_DIR / f"{recipe}.yaml"
+    recipe_path = Path(recipe).expanduser().absolute() if recipe.endswith((".yaml", ".yml")) else RECIPES_DIR / f"{recipe}.yaml"
     if not recipe_path.exists():
         raise UsageError(f"unknown recipe '{recipe}' (looked for {recipe_path}).\n"
                          f"Available recipes: {', '.join(available_recipes())}. "
