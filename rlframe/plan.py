@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from rlframe.cli_help import handle_info_flags
 from rlframe.config import ConfigError
 from rlframe.main import UsageError, compose_config
 from rlframe.memory_plan import check_memory
@@ -18,7 +19,10 @@ from rlframe.models.provision import resolve_model_path
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = compose_config(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if handle_info_flags("rlframe.plan", argv):  # --help / -h, --keys [prefix]
+        return 0
+    cfg = compose_config(argv)
     cfg.trainer.memory_check = "warn"  # print the table whatever the recipe says; the exit code tells the verdict
     try:
         plan = check_memory(cfg, resolve_model_path(cfg.model.path))

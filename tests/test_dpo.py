@@ -156,7 +156,7 @@ def test_dpo_math_recipe_with_pair_generation_end_to_end(tiny_model_dir, tmp_pat
     assert pairs and all(p["chosen_score"] > p["rejected_score"] for p in pairs)
     metrics = read_metrics(run_dir)
     steps = [m for m in metrics if "dpo/loss" in m]
-    assert len(steps) == len(pairs) // 2
+    assert len(steps) == min(2, len(pairs) // 2)  # dpo.epochs=1 x (pairs // 2), capped by trainer.total_steps=2
     assert steps[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at step 1
     assert "pairs/pairs" in metrics[0] and (run_dir / "hf_model" / "config.json").exists()
 

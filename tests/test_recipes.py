@@ -131,6 +131,10 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
     trained = [m for m in metrics if m["step"] > 0]
     assert trained, f"{recipe}: no training step logged"
     assert [m["step"] for m in trained] == list(range(1, len(trained) + 1))
+    from rlframe.trainer.metric_glossary import unknown_metrics
+
+    unexplained = unknown_metrics(key for m in metrics for key in m)
+    assert not unexplained, f"{recipe} logs metrics rlframe/trainer/metric_glossary.py does not explain: {unexplained}"
     stage = recipe_stage(recipe)
     for step in trained:
         for key in [STAGE_METRIC[stage], "timing/step", *EXTRA_STEP_METRICS.get(recipe, [])]:

@@ -125,7 +125,8 @@ def test_sft_math_recipe_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
                                "sft.micro_batch_size=4", "sft.max_length=256", "rollout.engine=hf", "sft.epochs=1")
     metrics = read_metrics(run_dir)
     steps = [m for m in metrics if "sft/loss" in m]
-    assert len(steps) == 4  # 32 rows / 8 per step
+    assert len(steps) == 2  # 32 rows / 8 per step = 4, capped by run_tiny's trainer.total_steps=2
+    assert "note: trainer.total_steps=2 caps sft's 4 steps" in result.stdout
     assert all(m["sft/loss"] > 0 for m in steps)
     assert "val/loss" in metrics[0] and "val/accuracy" in metrics[0] and "val/loss" in metrics[-1]
     assert (run_dir / "hf_model" / "config.json").exists()

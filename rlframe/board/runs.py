@@ -84,7 +84,7 @@ def total_steps(run_dir: Path) -> int | None:
 
     try:
         config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
-        return int(config["trainer"]["total_steps"])
+        return int(config["trainer"]["total_steps"]) or None  # 0: a stage recipe's own count, not known yet
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         return None
 

@@ -12,10 +12,11 @@ from rlframe.workers.engine.registry import ENGINES
 
 @dataclass
 class OptimConfig:
-    lr: float = bounded(1e-6, "> 0")
-    weight_decay: float = bounded(0.0, ">= 0")
-    betas: list[float] = bounded([0.9, 0.999], "[0, 1)", "Adam's (beta1, beta2)", length=2)
-    warmup_steps: int = bounded(0, ">= 0", "0: no warm-up")
+    lr: float = bounded(1e-6, "> 0")  # AdamW's peak learning rate (after warm-up; constant afterwards)
+    weight_decay: float = bounded(0.0, ">= 0")  # AdamW's decoupled weight decay
+    betas: list[float] = bounded([0.9, 0.999], "[0, 1)", "Adam's (beta1, beta2)", length=2)  # AdamW's betas
+    warmup_steps: int = bounded(0, ">= 0", "0: no warm-up")  # steps of linear learning-rate warm-up from 0 to lr
+    # clip the gradient's global norm to this before each step
     grad_clip: float = bounded(1.0, "> 0", "the gradient norm's ceiling: at or below 0 every gradient is zeroed or flipped")
 
 
@@ -26,18 +27,20 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = bounded(8, ">= 1")  # prompts per optimiser step (x rollout.n sequences)
     ppo_micro_batch_size_per_device: int = bounded(4, ">= 1")  # sequences per forward/backward
+    # passes of policy updates over each step's batch
     ppo_epochs: int = bounded(1, ">= 1", "0 would never update the policy")
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the rows before cutting them into mini-batches (each epoch)
     policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo | cispo | your own (algorithm.custom_policy_loss)
     # The policy loss's options. "auto": its published default (rlframe/algos/losses.py
     # POLICY_LOSS_DEFAULTS; vanilla 0.2 / 0.2, dual clip 3.0, token-mean; gspo 3e-4 / 4e-4,
     # seq-mean-token-mean; cispo no lower bound / 0.28, token-mean). null: no bound (clip_ratio_c:
     # dual clip off; cispo's clip_ratio_low). Setting a key the loss ignores is an error.
     clip_ratio_low: Any = "auto"  # ratio range [1 - low, 1 + high]; high > low is DAPO's clip-higher
-    clip_ratio_high: Any = "auto"
+    clip_ratio_high: Any = "auto"  # the upper clip: ratio <= 1 + high (see clip_ratio_low)
     clip_ratio_c: Any = "auto"  # dual clip (vanilla): for A < 0 the loss is capped at -A * c
     loss_agg_mode: str = "auto"  # auto | token-mean | seq-mean-token-sum | seq-mean-token-mean | ...-sum-norm
     entropy_coeff: float = bounded(0.0, "finite")  # < 0 minimises the entropy
+    # sequences per forward in compute_log_prob (and the reference's)
     log_prob_micro_batch_size_per_device: int = bounded(16, ">= 1")
     # With one epoch and one mini-batch per step the update is exactly on-policy: the old log-probs
     # equal the first forward's, so the separate compute_log_prob pass is skipped (and the
@@ -52,6 +55,7 @@ class ActorConfig:
     # Dynamic micro-batches: instead of a fixed count, pack rows up to a token budget per forward
     # (0 = off: use the fixed ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device).
     ppo_max_token_len_per_device: int = bounded(0, ">= 0", "0: off")
+    # the same token budget for the log-prob passes
     log_prob_max_token_len_per_device: int = bounded(0, ">= 0", "0: off")
     # Ulysses sequence parallelism: each group of this many consecutive ranks shares every packed row
     # (1/P of the tokens each; all-to-all around attention). Must divide world_size and the model's
@@ -77,8 +81,9 @@ class CriticConfig:
     ppo_mini_batch_size: Optional[int] = bounded(None, ">= 1")  # prompts per optimiser step; default actor.ppo_mini_batch_size
     ppo_micro_batch_size_per_device: int = bounded(4, ">= 1")  # sequences per forward/backward
     forward_micro_batch_size_per_device: int = bounded(16, ">= 1")  # sequences per forward in compute_values
-    ppo_epochs: int = bounded(1, ">= 1")
+    ppo_epochs: int = bounded(1, ">= 1")  # passes of value updates over each step's batch
     cliprange_value: float = bounded(0.5, ">= 0", "0 disables clipping")  # value clipping around the old values
+    # how the value loss is averaged: token-mean | seq-mean-token-sum | seq-mean-token-mean
     loss_agg_mode: str = "token-mean"
 
 

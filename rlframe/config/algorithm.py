@@ -23,7 +23,8 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 class KLControlConfig:
     type: str = one_of("fixed", KL_CONTROLLERS)  # adaptive (Ziegler et al.): steer the measured KL towards target_kl
     kl_coef: float = bounded(0.001, ">= 0")  # beta (the initial beta for adaptive)
-    target_kl: float = bounded(0.1, "> 0")
+    target_kl: float = bounded(0.1, "> 0")  # adaptive: the KL per token the coefficient steers towards
+    # adaptive: how many samples the coefficient takes to adjust (Ziegler et al.'s horizon)
     horizon: float = bounded(10000.0, "> 0")
 
 
@@ -31,6 +32,7 @@ class KLControlConfig:
 class OverlongBufferConfig:
     """DAPO overlong reward shaping: a linear penalty over the last `len` tokens before the limit."""
 
+    # DAPO's overlong reward shaping: a linear penalty over the last `len` tokens before data.max_response_length
     enable: bool = False
     len: int = bounded(16, ">= 1")  # tokens before data.max_response_length where the penalty starts
     penalty_factor: float = bounded(1.0, ">= 0")  # the penalty at the limit
@@ -40,6 +42,7 @@ class OverlongBufferConfig:
 class DynamicSamplingConfig:
     """DAPO dynamic sampling: drop groups whose rewards all agree; generate more until the batch is full."""
 
+    # DAPO's dynamic sampling: drop groups whose rewards all agree and generate more until the batch is full
     enable: bool = False
     max_attempts: int = bounded(10, ">= 1")  # rollout rounds per step before giving up with an error
 
@@ -52,12 +55,17 @@ class PluginConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # grpo | gae (PPO, starts the critic) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | drgrpo | remax | opo | grpo_turn | your own (custom_estimator)
     adv_estimator: str = "grpo"
+    # grpo: divide each group's centred rewards by their std (false: Dr. GRPO's mean-centring only)
     norm_adv_by_std: bool = True
-    gamma: float = bounded(1.0, "[0, 1]")
+    gamma: float = bounded(1.0, "[0, 1]")  # discount per token (gae, reinforce_plus_plus); 1: no discount
+    # gae: the lambda of generalised advantage estimation (1: Monte-Carlo returns minus values)
     lam: float = bounded(1.0, "[0, 1]")
     turn_gamma: float = bounded(1.0, "[0, 1]")  # grpo_turn: discount per model turn of a multi-turn rollout (not per token)
+    # a KL-to-reference term in the actor's loss (kl_loss_coef, kl_loss_type); starts the reference policy
     use_kl_loss: bool = True
+    # the KL loss's weight in the actor's loss (use_kl_loss)
     kl_loss_coef: float = bounded(0.001, ">= 0", "below 0 the loss would push the policy away from the reference")
     kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 / low_var_kl | abs | mse
     whiten_advantages: bool = False  # whiten the advantages over the batch (usual for PPO with gae)
@@ -78,6 +86,7 @@ class AlgorithmConfig:
     # term by min(pi_old / pi_rollout, tis_cap), pi_rollout being the engine's log-probs of its samples |
     # none | auto: tis with trainer.async_rollout (samples from older weights), none otherwise.
     off_policy_correction: str = "auto"
+    # TIS: the cap of the per-token importance weight pi_trainer / pi_engine
     tis_cap: float = bounded(2.0, ">= 1", "a cap below 1 down-weights even on-policy tokens")
 
 

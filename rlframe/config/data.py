@@ -14,18 +14,18 @@ BAD_ROWS = ("error", "skip")
 
 @dataclass
 class ArithmeticDataConfig:
-    n_train: int = bounded(2000, ">= 1")
-    n_val: int = bounded(64, ">= 1")
-    seed: int = bounded(0, ">= 0")
-    max_operand: int = bounded(20, ">= 1")
+    n_train: int = bounded(2000, ">= 1")  # generated training problems (data.source=arithmetic)
+    n_val: int = bounded(64, ">= 1")  # generated validation problems (none also in the training split)
+    seed: int = bounded(0, ">= 0")  # the generator's seed: the same seed, the same problems
+    max_operand: int = bounded(20, ">= 1")  # operands are drawn from 0..max_operand (the difficulty)
 
 
 @dataclass
 class ShapesDataConfig:
     """data.source=shapes: generated pictures of coloured shapes + counting questions (rlframe/data/shapes.py)."""
-    n_train: int = bounded(256, ">= 1")
-    n_val: int = bounded(32, ">= 1")
-    seed: int = bounded(0, ">= 0")
+    n_train: int = bounded(256, ">= 1")  # generated training pictures
+    n_val: int = bounded(32, ">= 1")  # generated validation pictures
+    seed: int = bounded(0, ">= 0")  # the generator's seed
     size: int = bounded(112, ">= 28")  # image side in pixels (112 px = 8 x 8 patches of 14 px = 16 image tokens on Qwen2.5-VL)
 
 
@@ -35,10 +35,11 @@ class DataConfig:
     # A file, a list of files, `~` and globs (parquet, jsonl, json, csv, arrow, datasets folders, hub
     # ids name@split); giving train_files implies source=files (rlframe/data/files.py).
     train_files: Any = field(default_factory=list)
+    # validation files, as train_files ([]: no validation set; the generated sources make their own)
     val_files: Any = field(default_factory=list)
     arithmetic: ArithmeticDataConfig = field(default_factory=ArithmeticDataConfig)
     shapes: ShapesDataConfig = field(default_factory=ShapesDataConfig)
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # the prompt column: a chat list of messages or a plain string
     # Images (verl/EasyR1 layout, rlframe/data/multimodal.py): the column holding each row's list of
     # images, one <image> placeholder per image in the prompt. An image outside [min_pixels,
     # max_pixels] (width x height) is scaled into the range (aspect kept) when resize_images, else
@@ -46,10 +47,12 @@ class DataConfig:
     image_key: str = "images"
     min_pixels: int = bounded(3136, ">= 1")  # 56 x 56 (Qwen2-VL's processor default)
     max_pixels: int = bounded(1003520, ">= 1")  # 1280 x 28 x 28 (Qwen2-VL's processor default)
+    # scale an out-of-range image into [min_pixels, max_pixels] (false: one above max_pixels is an error)
     resize_images: bool = True
+    # a plain ground-truth column (e.g. answer); null: the verl layout's reward_model.ground_truth
     answer_key: Optional[str] = None
     max_prompt_length: int = bounded(128, ">= 1")  # tokens, after the chat template
-    max_response_length: int = bounded(64, ">= 1")
+    max_response_length: int = bounded(64, ">= 1")  # tokens a response may generate (multi-turn: model + tool tokens)
     train_batch_size: int = bounded(8, ">= 1")  # prompts per step
     val_max_samples: Optional[int] = bounded(None, ">= 1")  # null: the whole validation set; N: its first N rows
     # A Jinja template for the user message (EasyR1's format_prompt): `{{ content }}` (also
@@ -58,8 +61,8 @@ class DataConfig:
     # A prompt longer than max_prompt_length: dropped (filter) | an error naming file and row | its first tokens cut
     overlong: str = one_of("filter", OVERLONG)
     bad_rows: str = one_of("error", BAD_ROWS)  # a malformed row: an error naming file, row and field | dropped, counted
-    shuffle: bool = True
-    seed: int = bounded(0, ">= 0")
+    shuffle: bool = True  # shuffle the training prompts each epoch (seeded by data.seed; resumable)
+    seed: int = bounded(0, ">= 0")  # seed of the training order (shuffle) and of the stages' prompt orders
 
 
 SOURCES = ("arithmetic", "shapes", "files")

@@ -16,11 +16,11 @@ GATE_ACTIONS = ("warn", "stop", "off")
 class GatesConfig:
     """Gates on every RL step (rlframe/trainer/gates.py). `enable=false`: none run, and no weight checksum is taken."""
 
-    enable: bool = True
+    enable: bool = True  # run the gates below on every RL step
     # The mean |log p_engine - log p_trainer| of the sampled tokens (rollout/logprob_abs_diff) above the
     # threshold of the run's dtype: the engine samples from another policy than the one trained.
     logprob_gap: str = "warn"
-    logprob_gap_max: dict[str, float] = field(
+    logprob_gap_max: dict[str, float] = field(  # logprob_gap's threshold per model dtype
         default_factory=lambda: {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05})
     # After a sync, the engine's weights (a sampled checksum per tensor, every sync) differ from the trainer's,
     # or the trainer's moved and the engine's did not: rollouts sample an old policy.
@@ -28,17 +28,18 @@ class GatesConfig:
     # The share of prompts whose samples all scored the same (no GRPO signal), averaged over the last
     # `zero_variance_window` steps, above `zero_variance_max_share`.
     zero_variance: str = "warn"
-    zero_variance_max_share: float = 0.95
-    zero_variance_window: int = 5
+    zero_variance_max_share: float = 0.95  # zero_variance: the share of prompts with all-equal scores that fires it
+    zero_variance_window: int = 5  # zero_variance: steps averaged over
     # Every sample of the batch scored the same, `constant_reward_steps` steps in a row.
     constant_reward: str = "warn"
-    constant_reward_steps: int = 5
+    constant_reward_steps: int = 5  # constant_reward: consecutive steps that fire it
     # The policy's entropy per token (actor/entropy when logged, else the sampled tokens' mean negative
     # log-prob, rollout/sampled_nll) below `entropy_min_ratio` x its first step's value,
     # `entropy_collapse_steps` steps in a row.
     entropy_collapse: str = "warn"
+    # entropy_collapse: the fraction of the first step's entropy below which a step counts
     entropy_min_ratio: float = 0.1
-    entropy_collapse_steps: int = 3
+    entropy_collapse_steps: int = 3  # entropy_collapse: consecutive steps that fire it
     # A non-finite loss or gradient: the optimizer step was skipped (the run already stops after
     # trainer.max_consecutive_skipped_updates of them; `stop` here stops at the first).
     non_finite_loss: str = "warn"

@@ -25,8 +25,9 @@ class LoraConfig:
 
     rank: int = bounded(0, ">= 0", "0: off")  # 0 = off (full fine-tuning)
     alpha: float = bounded(16.0, "> 0")  # the update is scaled by alpha / rank
-    dropout: float = bounded(0.0, "[0, 1)")
+    dropout: float = bounded(0.0, "[0, 1)")  # dropout on the adapters' input during training (peft's lora_dropout)
     target_modules: Any = "all-linear"  # all-linear (every linear layer but the LM head) | [q_proj, v_proj, ...] | a regex
+    # module names (or a regex) left without adapters, out of target_modules
     exclude_modules: list[str] = field(default_factory=list)
     # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA only), the adapters in full precision.
     load_in_4bit: bool = False
@@ -44,7 +45,8 @@ class ModelConfig:
     path: str = "smollm2-135m-instruct"  # embedded model name, HF folder, or hub id
     dtype: str = one_of("auto", DTYPES)  # auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)
     attn_implementation: str = one_of("auto", ATTENTION)  # auto | sdpa | eager | flash_attention_2
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30% more compute
+    # run the model folder's own Python code (transformers' trust_remote_code); only for folders you trust
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 

@@ -13,10 +13,13 @@ from rlframe.config.checks import resolvable
 
 @dataclass
 class RewardFunctionConfig:
+    # a Python file defining the reward function (reward_fns/ are ready ones); file.py:function also works
     path: str = "reward_fns/math.py"
+    # the function in that file: (data_source, solution_str, ground_truth, extra_info) -> float or dict with score
     name: str = "compute_score"
+    # its score is multiplied by this before the scores of all functions are summed
     weight: float = bounded(1.0, "finite")
-    data_sources: Optional[list[str]] = None
+    data_sources: Optional[list[str]] = None  # the rows it scores, by data_source; null: every row
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the function (verl reward_kwargs)
     # sample | sequential (per sample) | batch (EasyR1); null: from the file's REWARD_TYPE, else by signature
     reward_type: Optional[str] = None
@@ -32,10 +35,10 @@ class JudgeConfig:
     rubric: str = ""  # "" -> rlframe.reward.judge.DEFAULT_RUBRIC
     template: str = ""  # fields {rubric} {prompt} {response} {ground_truth}; "" -> DEFAULT_TEMPLATE (a 1-10 score)
     parser: str = ""  # "file.py:function" (judge text -> float | None); "" -> parse_score_1_to_10 ((n - 1) / 9)
-    weight: float = 1.0
+    weight: float = 1.0  # the judge's score is multiplied by this and added to the rule rewards
     fallback_score: float = 0.0  # the score of a judge reply that does not parse (counted)
-    max_new_tokens: int = 16
-    max_model_len: int = 1024
+    max_new_tokens: int = 16  # tokens the judge may write per verdict
+    max_model_len: int = 1024  # the local judge engine's context (prompt + verdict) in tokens
     engine: str = "auto"  # the local judge's engine: auto (vLLM on GPU, HF generate on CPU) | vllm | hf
     batch_size: int = 64  # judge prompts per call
     timeout_s: float = 600.0  # one call (with url: one request)
@@ -53,16 +56,18 @@ class SandboxConfig:
     allows neither, only a Python audit hook would stand between the code and this machine's files, so a reward
     file that uses the sandbox is refused at the start unless this is true."""
 
-    allow_unisolated: bool = False
+    allow_unisolated: bool = False  # run code rewards where the kernel gives no isolation (audit hook only)
 
 
 @dataclass
 class RewardConfig:
+    # the reward functions; a sample's score is the weighted sum of those that cover its data_source
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
     num_workers: int = bounded(2, ">= 0", "0: score in the driver process")  # processes scoring samples
     timeout_s: float = bounded(10.0, "> 0")  # one sample's scoring
     batch_timeout_s: float = bounded(300.0, "> 0")  # one batch's scoring
     fallback_score: float = bounded(0.0, "finite")  # the score of a sample whose reward failed
+    # a reward function that fails stops the run at once (false: the sample gets fallback_score, counted)
     fail_fast: bool = False
     # Score step k's samples in a background thread while the old-log-prob / reference / critic passes run;
     # the driver joins the scores before the advantage (timing/reward_wait_s: how long it blocked there).
@@ -81,7 +86,7 @@ class RewardConfig:
     # fraction of the samples it scores in each of max_failure_steps training batches in a row; the error
     # names the function and its first failure. 1.0: never stop (the failed samples get fallback_score).
     max_failure_rate: float = bounded(0.95, "[0, 1]", "1: never stop")
-    max_failure_steps: int = bounded(3, ">= 1")
+    max_failure_steps: int = bounded(3, ">= 1")  # consecutive batches above max_failure_rate before the run stops
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # generated code's sandbox (reward_fns/code.py)
 
 
@@ -90,13 +95,15 @@ class RewardModelConfig:
     """A model-based reward (HF sequence-classification RM, num_labels=1) added to the rule rewards:
     score = sum of weighted reward functions + weight * rm_score. Runs colocated with the actor."""
 
-    enable: bool = False
+    enable: bool = False  # add the reward model's score to the rule rewards (starts the reward-model role)
+    # the reward model: an HF sequence-classification folder with num_labels=1 (stage=rm writes one: <run_dir>/hf_model)
     path: str = ""
-    weight: float = bounded(1.0, "finite")
-    max_length: int = bounded(2048, ">= 1")
-    micro_batch_size: int = bounded(8, ">= 1")
+    weight: float = bounded(1.0, "finite")  # its score is multiplied by this before it is added
+    max_length: int = bounded(2048, ">= 1")  # prompt + response tokens it reads (longer: the left part is cut)
+    micro_batch_size: int = bounded(8, ">= 1")  # sequences per forward
+    # auto | float32 | bfloat16 | float16 (auto: as model.dtype resolves)
     dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the reward model folder's own Python code
 
 
 # ------------------------------------------------------------------------------------ checks

@@ -18,7 +18,7 @@ class ToolConfig:
     # a Python file defining the function; its schema is the file's (TOOL_SCHEMAS, SCHEMA, TOOLS, a `schema`
     # attribute) or derived from the function's type hints and docstring (workers/rollout/tool_schemas.py)
     path: str = "tools/calculator.py"
-    name: str = "calculator"
+    name: str = "calculator"  # the function in that file the model calls (also the tool's name it sees)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class EnvironmentConfig:
     # "" = no environment; else a Python file defining the class: our reset(row) / step(text) form, or a
     # gymnasium.Env with text observations and actions (workers/rollout/gym_environment.py)
     path: str = ""
-    name: str = ""
+    name: str = ""  # the environment class in that file
 
 
 @dataclass
@@ -53,12 +53,13 @@ class MultiTurnConfig:
     turns until an answer (a turn without a tool call), `max_turns` model turns, or the response budget
     (data.max_response_length, model + tool tokens). Tool tokens are context, never trained on."""
 
+    # multi-turn rollouts (also turned on by naming rollout.agent.tools / mcp_servers / environment)
     enable: bool = False
     # No default tool: name each one (an environment alone needs none)
     tools: list[ToolConfig] = field(default_factory=list)
     # MCP servers whose tools join `tools` (listed and checked before any worker starts)
     mcp_servers: list[McpServerConfig] = field(default_factory=list)
-    max_turns: int = bounded(3, ">= 1")
+    max_turns: int = bounded(3, ">= 1")  # model turns per rollout at most
     max_tokens_per_turn: int = bounded(0, ">= 0", "0: no cap")  # a model turn's cap (0: the remaining budget); a cut turn is still parsed
     max_tool_response_tokens: int = bounded(64, ">= 1")  # an observation is cut to this many tokens
     tool_timeout_s: float = bounded(5.0, "> 0")  # a call that takes longer becomes a timeout error the model sees
@@ -86,7 +87,7 @@ class PartialRolloutConfig:
     data.train_batch_size prompt groups whose n samples have all finished (the oldest first); a step
     generates one round, more only while fewer groups than that have finished."""
 
-    enable: bool = False
+    enable: bool = False  # partial rollouts (see the section's description)
     # New tokens per response per generation call; 0: ceil(data.max_response_length / span), where span =
     # max_token_staleness - trainer.max_staleness (0 when synchronous) + 1 is the steps a response may take.
     max_tokens_per_round: int = bounded(0, ">= 0", "0: the smallest budget the staleness bound allows")
@@ -143,21 +144,25 @@ class AgentProgramConfig:
 class RolloutConfig:
     engine: str = one_of("auto", ENGINES)  # auto (vllm when installed, else hf) | vllm | hf
     n: int = bounded(4, ">= 1")  # samples per prompt
-    temperature: float = bounded(1.0, ">= 0", "0: greedy")
+    temperature: float = bounded(1.0, ">= 0", "0: greedy")  # sampling temperature of the training rollouts
+    # nucleus sampling: sample from the smallest set of tokens holding this probability (1: off)
     top_p: float = bounded(1.0, "(0, 1]")
-    top_k: int = bounded(-1, ">= -1", "-1 or 0: off")
-    val_temperature: float = bounded(0.0, ">= 0", "0: greedy validation")
+    top_k: int = bounded(-1, ">= -1", "-1 or 0: off")  # sample from the k most likely tokens only
+    val_temperature: float = bounded(0.0, ">= 0", "0: greedy validation")  # sampling temperature of validation
     # Seed every training sample's sampling from (trainer.seed, step, prompt uid, sample index), so that a
     # resumed run samples the same tokens with vLLM (whose engine RNG is not checkpointed) as without
     # the interruption. Costs vLLM a per-request generator in its sampler (small on CPU; on GPU at
     # thousands of concurrent requests, turn it off if exact resume does not matter to you).
     seed_each_sample: bool = True
+    # GPU: the share of device memory vLLM may take (weights + KV cache), colocated with the trainer
     gpu_memory_utilization: float = bounded(0.4, "(0, 1]")
     cpu_kv_cache_gib: float = bounded(1.0, "> 0")  # vLLM CPU KV cache (fractions allowed; pages released between generations)
+    # vLLM reuses the KV cache of shared prompt prefixes (the n samples of a prompt); reset after every weight sync
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # GPU only: CPU generators cannot rewind after a partial prefill
-    max_num_batched_tokens: int = bounded(4096, ">= 1")
+    max_num_batched_tokens: int = bounded(4096, ">= 1")  # vLLM: tokens per scheduler step (prefill chunk size)
     enable_sleep_mode: bool = True  # GPU only: free engine memory while the trainer trains
+    # vLLM: no CUDA graphs (faster start, slower decoding on GPU; CUDA graphs do not exist on CPU)
     enforce_eager: bool = True
     # Disaggregated placement (trainer.placement=disaggregated): data-parallel engines on their own
     # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.

@@ -15,54 +15,62 @@ from rlframe.workers.engine.registry import ENGINES
 @dataclass
 class TimeoutConfig:
     rollout: float = bounded(1800.0, "> 0")  # seconds
+    # seconds for one compute_log_prob / reference / value pass before the call is reported as stuck
     log_prob: float = bounded(1800.0, "> 0")
-    update: float = bounded(3600.0, "> 0")
-    weight_sync: float = bounded(600.0, "> 0")
-    init: float = bounded(900.0, "> 0")
+    update: float = bounded(3600.0, "> 0")  # seconds for one actor or critic update
+    weight_sync: float = bounded(600.0, "> 0")  # seconds for one weight sync into the rollout engines
+    init: float = bounded(900.0, "> 0")  # seconds for the workers to start and build their models
 
 
 @dataclass
 class RuntimeEnvConfig:
     """What every worker on every node gets (Ray runtime_env): env vars and an uploaded working dir."""
 
+    # environment variables for every worker (a new one: +trainer.runtime_env.env_vars.NAME=value)
     env_vars: dict[str, str] = field(default_factory=dict)
     working_dir: Optional[str] = None  # uploaded to every node; its files are importable there
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = bounded(20, ">= 1")
+    # Training steps. RL: one batch of data.train_batch_size prompts each (>= 1). Stage recipes (pt, sft, dpo, rm,
+    # rft): a cap on the steps their epochs (rft: rounds) give, with a note; 0: no cap (their recipes' value).
+    total_steps: int = bounded(20, ">= 0", "0: a stage's own epochs or rounds; an RL run needs >= 1")
     # Passes over the training data (verl/EasyR1 total_epochs); set, it replaces total_steps with
     # total_epochs x (training rows // data.train_batch_size).
     total_epochs: Optional[int] = bounded(None, ">= 1", "null: run trainer.total_steps steps")
-    run_dir: Optional[str] = None  # default: runs/<experiment_name>-<timestamp>
+    # default: <runs>/<experiment_name>-<timestamp>, <runs> being $RLFRAME_RUNS_DIR, else ~/rlframe/runs under
+    # `ray job submit` (its working directory is a temporary copy), else ./runs
+    run_dir: Optional[str] = None
     # false: the console shows our progress line and our warnings; vLLM / Ray / transformers / torch output goes
     # to <run_dir>/logs/ (driver.log, worker-<pid>.log). true: everything on the console as well.
     verbose: bool = False
-    project_name: str = "rlframe"
+    project_name: str = "rlframe"  # the wandb project (and tensorboard's grouping)
+    # the run's name: wandb's run name and the default run directory runs/<experiment_name>-<time>
     experiment_name: str = "grpo_math"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
-    val_before_train: bool = True
-    val_at_end: bool = True
+    val_before_train: bool = True  # validate once before the first step (step 0 of metrics.jsonl)
+    val_at_end: bool = True  # validate after the last step (summary.json's val_after)
     # Reorder each batch so every data-parallel rank gets a near-equal number of tokens (a greedy
     # equal-count partition; the spread is at most one sequence's length) before it is split.
     balance_batch: bool = True
-    val_every: int = bounded(0, ">= 0", "0: only before and after training")
-    seed: int = bounded(0, ">= 0")
+    val_every: int = bounded(0, ">= 0", "0: only before and after training")  # validate every N steps
+    seed: int = bounded(0, ">= 0")  # the run's seed: rollout sampling (rollout.seed_each_sample), evaluation repeats (seed + r), new heads
     device: str = "auto"  # auto | cpu | cuda
     num_cpus: Optional[int] = bounded(None, ">= 1", "null: all cores")  # CPUs given to a local Ray cluster
     cpus_per_worker: Optional[float] = bounded(None, "> 0")  # default: num_cpus / actor.world_size
+    # a running Ray cluster to join (auto, ray://host:10001, host:6379); null: RAY_ADDRESS, else start a local one
     ray_address: Optional[str] = None
     # Multi-node placement (rlframe/trainer/launch.py, examples/multinode.md). colocated: actor,
     # rollout and ref share every device; disaggregated: rollout engines on their own devices (nodes).
     placement: str = "colocated"  # colocated | disaggregated
-    nnodes: int = bounded(1, ">= 1")
+    nnodes: int = bounded(1, ">= 1")  # nodes the run's placement spans (with devices_per_node; docs/multinode.md)
     devices_per_node: Optional[int] = bounded(None, ">= 1")  # GPUs (or CPU slots of cpus_per_worker) per node; None: legacy one-node pool
     # Optional node pinning: one custom Ray resource per node (ray start --resources='{"node_a": 1}');
     # node i's bundles go to the node that has node_resources[i]. Empty: Ray node ids picked by the driver.
     node_resources: list[str] = field(default_factory=list)
     runtime_env: RuntimeEnvConfig = field(default_factory=lambda: RuntimeEnvConfig())
-    export_hf: bool = True
+    export_hf: bool = True  # write the trained model as an HF folder at the end (<run_dir>/hf_model)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     critic_warmup: int = bounded(0, ">= 0")  # PPO: the first N steps train only the critic (the actor is not updated)
     # Checkpoints (<run_dir>/checkpoints/step_N, see rlframe/trainer/checkpoint.py): every
@@ -107,6 +115,7 @@ class TrainerConfig:
     # Ray's object store and loaded by the engines between generations, so the trainer never waits for them to
     # finish generating). Corrected by algorithm.off_policy_correction.
     async_rollout: bool = False
+    # asynchronous rollout: how many steps generation may run ahead of training
     max_staleness: int = bounded(1, ">= 0", "0: after each sync, as the synchronous loop; k: k steps ahead")
     # Checks on every RL step that warn about or stop a run that silently broke (rlframe/config/gates.py).
     gates: GatesConfig = field(default_factory=GatesConfig)
@@ -215,6 +224,13 @@ def async_rollout_can_run_ahead(cfg, need) -> None:
          "generate it ahead. Fix: another estimator (grpo, rloo), or trainer.async_rollout=false")
 
 
+def rl_run_has_steps(cfg, need) -> None:
+    t = cfg.trainer
+    need(cfg.stage != "rl" or t.total_steps >= 1 or bool(t.total_epochs), "trainer.total_steps",
+         "0 means 'as many as the epochs give' for the stage recipes (pt, sft, dpo, rm, rft); an RL run needs a count. "
+         "Fix: trainer.total_steps=20, or trainer.total_epochs=1")
+
+
 def loggers_known(cfg, need) -> None:
     unknown_loggers = set(cfg.trainer.loggers) - set(LOGGERS)
     need(not unknown_loggers, "trainer.loggers", f"unknown loggers {sorted(unknown_loggers)}")
@@ -222,4 +238,4 @@ def loggers_known(cfg, need) -> None:
 
 CHECKS = (checkpoint_format_supported, memory_check_known, device_known, run_dir_is_a_folder, checkpoint_schedule_valid,
           critic_warmup_has_a_critic, placement_fits_nodes, async_rollout_can_run_ahead,
-          loggers_known) + GATE_CHECKS
+          rl_run_has_steps, loggers_known) + GATE_CHECKS

@@ -83,10 +83,53 @@ def runtime_env(env_vars: dict[str, str], working_dir: str | None = None) -> dic
     return env
 
 
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a `ray job submit` entrypoint
+
+
+def job_runtime_env() -> dict | None:
+    """The runtime env of the Ray job this driver runs as (`ray job submit --runtime-env-json / --working-dir`), or
+    None when it is not a submitted job."""
+    import json
+
+    raw = os.environ.get(JOB_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        return dict(json.loads(raw).get("runtime_env") or {})
+    except (ValueError, AttributeError):
+        return None
+
+
+def merge_with_job_env(ours: dict, job: dict | None) -> tuple[dict, list[str]]:
+    """Our runtime env without what the submitted job's already sets, so Ray merges the two instead of refusing
+    ("Failed to merge the Job's runtime env ... because of a conflict"). The job's value wins (the user gave it at
+    submit time): an env var or field it sets is dropped from ours, with a note when the values differ. Pure."""
+    if not job:
+        return ours, []
+    merged, notes = dict(ours), []
+    job_vars = job.get("env_vars") or {}
+    kept = {}
+    for key, value in (ours.get("env_vars") or {}).items():
+        if key not in job_vars:
+            kept[key] = value
+        elif str(job_vars[key]) != str(value):
+            notes.append(f"env var {key}: the job's {job_vars[key]!r} (ours was {value!r})")
+    merged["env_vars"] = kept
+    for field in [k for k in ours if k != "env_vars" and k in job]:
+        if job[field] != ours[field]:
+            notes.append(f"runtime_env {field}: the job's {job[field]!r} (ours was {ours[field]!r})")
+        merged.pop(field)
+    return merged, notes
+
+
 def connect(address: str | None, num_cpus: int | None, env: dict) -> None:
-    """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one."""
+    """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one. Run as a
+    submitted Ray job, our runtime env joins the job's (merge_with_job_env)."""
     if ray.is_initialized():
         return
+    env, notes = merge_with_job_env(env, job_runtime_env())
+    for note in notes:
+        print(f"note: ray job: {note}", flush=True)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)

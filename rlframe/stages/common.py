@@ -62,11 +62,26 @@ def prompt_dataset(cfg: RLConfig, files: list[str], tokenizer) -> RLDataset | No
         return None
 
 
+def capped_steps(cfg: RLConfig, planned: int, how: str, more_key: str) -> int:
+    """A stage's step count: `planned` (its epochs' or rounds' steps, `how` says which), capped by trainer.total_steps
+    when that is set (0, the stage recipes' value: no cap). One note when the two differ."""
+    cap = cfg.trainer.total_steps
+    if cap <= 0 or cap == planned:
+        return planned
+    if cap < planned:
+        print(f"note: trainer.total_steps={cap} caps {cfg.stage}'s {planned} steps ({how}); "
+              "trainer.total_steps=0 runs them all", flush=True)
+        return cap
+    print(f"note: trainer.total_steps={cap}, but {cfg.stage} has {planned} steps ({how}): running {planned}. "
+          f"Fix: raise {more_key} for more steps (trainer.total_steps=0: always as many as it has)", flush=True)
+    return planned
+
+
 class StageTrainer(RunLoop):
     """The run loop (trainer/run_loop.py) with the RL driver's validation by generation and its scorer.
 
     A subclass calls `__init__`, sets `self.roles` (the worker roles), calls `start`, then `plan_steps` once it
-    knows its rows, and implements `train_step`.
+    knows its rows (its epochs' steps, capped by trainer.total_steps: capped_steps), and implements `train_step`.
     """
 
     main_role = "actor_rollout"
@@ -90,8 +105,9 @@ class StageTrainer(RunLoop):
                              f"Fix: a smaller {cfg.stage}.batch_size or more data")
         self.sampler = StatefulSampler(num_rows, batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         self.batches = self.sampler.forever()
-        self.plan_run(epochs * steps_per_epoch)
         print(f"{cfg.stage}: {num_rows} {unit}, {epochs} epoch(s) x {steps_per_epoch} steps of {batch_size}", flush=True)
+        self.plan_run(capped_steps(cfg, epochs * steps_per_epoch, f"{cfg.stage}.epochs={epochs} x {steps_per_epoch}",
+                                   f"{cfg.stage}.epochs"))
 
     def start_workers(self) -> Workers:
         return start_stage_workers(self.cfg, self.roles, main_role=self.main_role)

@@ -29,7 +29,7 @@ import torch
 
 from rlframe.config import RLConfig
 from rlframe.reward.judge import build_judge, judge_engine, prompt_text
-from rlframe.stages.common import StageTrainer, prompts_batch
+from rlframe.stages.common import StageTrainer, capped_steps, prompts_batch
 from rlframe.stages.data import Example, collate_sft
 from rlframe.stages.dpo import pair_prompts
 from rlframe.trainer.scorer import validation_accuracy
@@ -97,7 +97,7 @@ class RFTTrainer(StageTrainer):
               f"pass(es) in steps of {rft.batch_size} ({len(self.prompts)} training prompts)", flush=True)
         self.start(val_files)
         self.judge = build_judge(cfg, run_dir, lambda: judge_engine_settings(cfg))  # None without reward.judge
-        self.plan_run(rft.rounds)
+        self.plan_run(capped_steps(cfg, rft.rounds, f"rft.rounds={rft.rounds}, one step each", "rft.rounds"))
 
     @property
     def val_every(self) -> int:

@@ -38,12 +38,15 @@ class DeepSpeedSettings:
     offload: bool = False  # ZeRO-Infinity: the parameters on the CPU (needs zero_stage=3)
     ref_reward_offload: bool = False  # the reference policy's parameters on the CPU (ZeRO-3 inference)
     overlap_comm: bool = False  # overlap the gradient reduction with the backward pass
+    # copy gradients into one contiguous buffer as they are produced (less fragmentation)
     contiguous_gradients: bool = True
     reduce_bucket_size: int = 500_000_000  # elements per gradient reduction
     allgather_bucket_size: int = 500_000_000  # ZeRO-2: elements per all-gather of the updated parameters
     stage3_prefetch_bucket_size: int = 50_000_000  # ZeRO-3: elements fetched ahead of use
     stage3_param_persistence_threshold: int = 100_000  # ZeRO-3: smaller parameters stay whole on every rank
+    # ZeRO-3: parameter elements kept gathered at once before some are released
     stage3_max_live_parameters: int = 1_000_000_000
+    # ZeRO-3: a parameter used again within this many elements is not released
     stage3_max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000  # ZeRO-3: elements per optimizer sub-group
     grad_accum_dtype: Optional[str] = None  # fp32 | bf16; null: DeepSpeed's default
@@ -51,12 +54,13 @@ class DeepSpeedSettings:
     # export, checkpoints); never the whole model on one rank. A larger single tensor is gathered alone.
     gather_bucket_size: int = 64 * 2**20
     # OpenRLHF flags rlframe does not implement (UNHONOURED_DEEPSPEED_KEYS): an error unless left as they are.
-    zpg: int = 1
-    ds_tensor_parallel_size: int = 1
-    deepspeed_enable_sleep: bool = False
-    enable_ema: bool = False
+    zpg: int = 1  # not implemented: ZeRO++ hierarchical partitioning (1: off)
+    ds_tensor_parallel_size: int = 1  # not implemented: DeepSpeed AutoTP (1: off)
+    deepspeed_enable_sleep: bool = False  # not implemented: DeepSpeed's offload_states between phases (false)
+    enable_ema: bool = False  # not implemented: an EMA copy of the actor (false)
+    # not implemented: DeepSpeed universal checkpoints (false; rlframe writes its own layout)
     use_ds_universal_ckpt: bool = False
-    deepcompile: bool = False
+    deepcompile: bool = False  # not implemented: DeepCompile (false)
 
 
 # ------------------------------------------------------------------------------------ checks
