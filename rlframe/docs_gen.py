@@ -174,9 +174,9 @@ class RecipeRow:
 
 
 def recipes_dir() -> Path:
-    from rlframe.main import RECIPES_DIR
-
-    return RECIPES_DIR
+    """recipes/ next to the package in a checkout, inside it in an installed wheel (as rlframe.main finds it)."""
+    package = Path(__file__).resolve().parent
+    return package.parent / "recipes" if (package.parent / "recipes").is_dir() else package / "recipes"
 
 
 def header_sentence(text: str) -> str:
@@ -265,9 +265,7 @@ def readme_with_table(text: str) -> str:
 
 def main() -> None:
     """`python -m rlframe.docs_gen`: rewrite README.md's recipe table (the docs site renders its own at build)."""
-    from rlframe.main import REPO_ROOT
-
-    readme = REPO_ROOT / "README.md"
+    readme = Path(__file__).resolve().parent.parent / "README.md"
     readme.write_text(readme_with_table(readme.read_text()))
     print(f"wrote the recipe table of {readme}")
 

@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_before_workers, validate_config
-from rlframe.schema_types import field_type, type_in_words  # noqa: F401  (rlframe/board/schema_help.py imports them from here)
+from rlframe.schema_types import field_type, type_in_words
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent

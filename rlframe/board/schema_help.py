@@ -56,7 +56,7 @@ def comments_of(cls: type) -> dict[str, str]:
 
 def key_help(key: str) -> str:
     """`key (type, default X): the schema's comment`, or just the key when it has none."""
-    from rlframe.main import field_type, type_in_words
+    from rlframe.schema_types import field_type, type_in_words
 
     owner = field_owner(key)
     if owner is None:

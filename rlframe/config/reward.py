@@ -45,8 +45,8 @@ class JudgeConfig:
     api_key_env: str = "OPENAI_API_KEY"  # with url: the environment variable holding the key (may be unset)
     # with url: retries of a request that timed out, lost its connection or got 408/409/429/5xx (exponential
     # backoff from 0.5 s), and the requests in flight at once (rlframe/reward/judge.py)
-    max_retries: int = bounded(3, ">= 0")
-    max_concurrency: int = bounded(8, ">= 1")
+    max_retries: int = bounded(3, ">= 0")  # with url: retries of a failed request
+    max_concurrency: int = bounded(8, ">= 1")  # with url: requests in flight at once
 
 
 @dataclass

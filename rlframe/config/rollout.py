@@ -123,11 +123,11 @@ class AgentProgramConfig:
     # The gateway's limits (docs/gateway.md, "What is checked"): a request's body; the time a request may take to
     # arrive (a slower one gets 408, an idle connection is closed); connections open at once (one more: 503); an
     # episode's calls and its prompt + completion tokens over all its calls (429 past either).
-    max_body_bytes: int = bounded(4 << 20, "[1024, 268435456]")
-    read_timeout_s: float = bounded(10.0, "> 0")
-    max_connections: int = bounded(64, ">= 1")
-    max_calls_per_episode: int = bounded(128, ">= 1")
-    max_episode_tokens: int = bounded(0, ">= 0", "0: 32 x rollout.max_model_len")
+    max_body_bytes: int = bounded(4 << 20, "[1024, 268435456]")  # a request body larger than this is refused unread (413)
+    read_timeout_s: float = bounded(10.0, "> 0")  # seconds for a request to arrive (408 after)
+    max_connections: int = bounded(64, ">= 1")  # connections open at once (one more: 503)
+    max_calls_per_episode: int = bounded(128, ">= 1")  # an episode's calls (429 past it)
+    max_episode_tokens: int = bounded(0, ">= 0", "0: 32 x rollout.max_model_len")  # an episode's prompt + completion tokens over all its calls (429 past it)
     # false: training samples at rollout.temperature/top_p/top_k whatever the agent asks (the trainer scores tokens at
     # that temperature); true: the request's temperature/top_p are used (rollout/logprob_abs_diff then measures that)
     sampling_from_request: bool = False
