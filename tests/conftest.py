@@ -139,3 +139,18 @@ def pytest_collection_modifyitems(config, items):
     processes (`make test`, pytest-xdist taking whole files) the other one works through the rest meanwhile,
     instead of this file starting last and the suite waiting on it. The order within each file is kept."""
     items.sort(key=lambda item: item.path.name != "test_recipes.py")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium through playwright (the board's browser tests); skipped where either is missing."""
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if chromium is None:
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        yield browser
+        browser.close()

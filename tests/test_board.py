@@ -13,7 +13,6 @@ answering from the exported model; the Chinese labels.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -199,18 +198,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    if chromium is None:
-        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium)")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        yield browser
-        browser.close()
 
 
 def text_of(page, selector: str) -> str:

@@ -8,7 +8,6 @@ validation points), the traceback over HTTP (the page's `on_try` call with a rew
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import httpx
@@ -47,40 +46,31 @@ def served(tmp_path_factory):
     app.close()
 
 
-def test_plots_show_which_line_is_which(served):
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    if chromium is None:
-        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium)")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(served["url"])
-            page.wait_for_selector("#preview")
-            page.get_by_role("tab", name="Watch").click()
-            box = page.locator("#watch_run input").first
-            box.fill("curves")
-            box.press("Enter")
-            labels = {}
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and len(labels) < 2:
-                # each legend label the user can see: the plot's svg is what lies at the label's centre (a label
-                # clipped by the svg's box, as gradio drew it, lies over whatever is below the plot instead)
-                labels = page.evaluate("""() => {
-                    const out = {};
-                    const svg = document.querySelector('#plot_reward svg');
-                    for (const t of document.querySelectorAll('#plot_reward svg text')) {
-                        const r = t.getBoundingClientRect();
-                        const hit = document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2);
-                        if (['train', 'validation'].includes(t.textContent) && hit && (hit === svg || svg.contains(hit)))
-                            out[t.textContent] = true;
-                    }
-                    return out; }""")
-                time.sleep(0.5)
-            assert labels == {"train": True, "validation": True}, labels
-        finally:
-            browser.close()
+def test_plots_show_which_line_is_which(served, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(served["url"])
+    page.wait_for_selector("#preview")
+    page.get_by_role("tab", name="Watch").click()
+    box = page.locator("#watch_run input").first
+    box.fill("curves")
+    box.press("Enter")
+    labels = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(labels) < 2:
+        # each legend label the user can see: the plot's svg is what lies at the label's centre (a label
+        # clipped by the svg's box, as gradio drew it, lies over whatever is below the plot instead)
+        labels = page.evaluate("""() => {
+            const out = {};
+            const svg = document.querySelector('#plot_reward svg');
+            for (const t of document.querySelectorAll('#plot_reward svg text')) {
+                const r = t.getBoundingClientRect();
+                const hit = document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2);
+                if (['train', 'validation'].includes(t.textContent) && hit && (hit === svg || svg.contains(hit)))
+                    out[t.textContent] = true;
+            }
+            return out; }""")
+        time.sleep(0.5)
+    assert labels == {"train": True, "validation": True}, labels
 
 
 def test_try_it_shows_the_users_own_frames(served, tiny_model_dir):
