@@ -129,9 +129,8 @@ def test_a_slow_tool_does_not_stall_the_engine(tok):
     assert list(nt["agent_tool_errors"]) == [0, 0] and list(nt["agent_end"]) == [END_ANSWER, END_ANSWER]
     waited = re.search(r"waited (\d+) steps", tok.decode(out.batch["responses"][0].tolist()))
     assert waited and int(waited.group(1)) >= 20
-    a_done = max(s for k, _, s in engine.finished_at if k == tuple(pa[:3]))
-    b_done = max(s for k, _, s in engine.finished_at if k == tuple(pb[:3]))
-    assert a_done < b_done  # and A's answer did not wait for B to finish either
+    # (Which of A and B finishes last depends on when the tool's thread sees the 20th step: a race in wall time,
+    # not a property of the loop, so it is not asserted; the 20 steps made while A's tool ran are.)
 
 
 # ------------------------------------------------------------------ the end-to-end run (Gymnasium + MCP)

@@ -153,7 +153,8 @@ def test_disaggregated_and_colocated_on_two_nodes(cluster, tmp_path, tiny_model_
         assert d["response_length/mean"] == c["response_length/mean"]
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
             assert d[key] == pytest.approx(c[key], abs=1e-6, rel=1e-5), (d["step"], key, d[key], c[key])
-    assert disagg[0]["actor/grad_norm"] > 0 and abs(disagg[1]["actor/pg_loss"]) > 1e-4
+    # (Step 2's pg_loss is ~0 too when every group's rewards tie; its gradient norm is not: the KL term moves.)
+    assert disagg[0]["actor/grad_norm"] > 0 and disagg[1]["actor/grad_norm"] > 0
     print("step 1 pg_loss / grad_norm: disaggregated", disagg[0]["actor/pg_loss"], disagg[0]["actor/grad_norm"],
           "colocated", coloc[0]["actor/pg_loss"], coloc[0]["actor/grad_norm"], flush=True)
 
