@@ -40,12 +40,18 @@ def test_judge_fills_the_template_and_counts_what_never_parses(tmp_path):
                         backend, tmp_path / "judge.jsonl")
     result = judge.score(["1+1", "2+2", "3+3"], ["2", "5", "7"], ["2", "4", "6"])
     assert backend.asked[0] == "Q: 1+1 A: 2 truth 2 (R)"
-    assert result.scores.tolist() == [1.0, -1.0, 0.0] and result.parsed.tolist() == [True, False, True]
-    assert result.metrics() == {"reward/judge_parse_failure_rate": pytest.approx(1 / 3), "reward/judge_score_mean": 0.5}
+    # the reply that does not parse has no score (NaN: unscorable), never a made-up one
+    assert result.scores[[0, 2]].tolist() == [1.0, 0.0] and np.isnan(result.scores[1])
+    assert result.parsed.tolist() == [True, False, True] and result.scorable.tolist() == [True, False, True]
+    assert result.metrics() == {"reward/judge_parse_failure_rate": pytest.approx(1 / 3),
+                                "reward/judge_unscorable_rate": pytest.approx(1 / 3), "reward/judge_score_mean": 0.5}
     logged = [json.loads(line) for line in open(tmp_path / "judge.jsonl")]
     assert [row["score"] for row in logged] == [1.0, None, 0.0] and logged[1]["judge"] == "I refuse to grade."
-    never = JudgeReward(_judge_cfg(), ScriptedBackend(["no"] * 4), None).score(["a"] * 4, ["b"] * 4, [""] * 4)
-    assert never.metrics()["reward/judge_parse_failure_rate"] == 1.0 and np.all(never.scores == -1.0)
+    assert [row["scorable"] for row in logged] == [True, False, True] and logged[1]["why"] == "the reply does not parse"
+    # stage=rft ranks its samples: there an unscorable reply gets reward.judge.fallback_score
+    never = JudgeReward(_judge_cfg(), ScriptedBackend(["no"] * 4), None, unscorable_score=-1.0).score(
+        ["a"] * 4, ["b"] * 4, [""] * 4)
+    assert never.metrics()["reward/judge_unscorable_rate"] == 1.0 and np.all(never.scores == -1.0)
 
 
 def test_a_user_parser_and_bad_settings(tmp_path):
@@ -55,7 +61,7 @@ def test_a_user_parser_and_bad_settings(tmp_path):
     parser = tmp_path / "parse.py"
     parser.write_text("def grade(text):\n    return 1.0 if 'yes' in text else None\n")
     judge = JudgeReward(_judge_cfg(parser=f"{parser}:grade"), ScriptedBackend(["yes", "nope"]), None)
-    assert judge.score(["p", "p"], ["r", "r"], ["", ""]).scores.tolist() == [1.0, -1.0]
+    assert judge.score(["p", "p"], ["r", "r"], ["", ""]).scorable.tolist() == [True, False]
     assert "no {response} field" in template_problem("Rate {prompt}")
     with pytest.raises(ConfigError) as error:
         validate_config(compose_config(["recipe=rft_math", "reward.judge.model=smollm2-135m-instruct",
@@ -64,8 +70,10 @@ def test_a_user_parser_and_bad_settings(tmp_path):
     message = str(error.value)
     assert "reward.judge.template: the template cannot be filled (KeyError: 'answer')" in message
     assert f"reward.judge.parser: {parser} defines no function 'missing'" in message
-    with pytest.raises(ConfigError, match="reward.judge: the judge reward is wired into stage=rft"):
-        validate_config(compose_config(["recipe=grpo_math", "reward.judge.model=smollm2-135m-instruct"]))
+    with pytest.raises(ConfigError, match="reward.judge: the judge reward scores samples in stage=rl and stage=rft"):
+        validate_config(compose_config(["recipe=sft_math", "reward.judge.model=smollm2-135m-instruct"]))
+    validate_config(compose_config(["recipe=grpo_math", "reward.judge.model=smollm2-135m-instruct"]))  # RL takes it
+    validate_config(compose_config(["recipe=ppo_math", "reward.judge.url=http://127.0.0.1:9/v1", "reward.judge.model=j"]))
 
 
 @pytest.mark.slow  # ~60 s: a second engine (the judge) in a 2-round rft run; the recipe itself runs in test_recipes
@@ -179,8 +187,9 @@ def test_the_url_judge_retries_what_may_pass_and_counts_what_never_did(chat_serv
     assert "not a chat-completions reply" in judge.failures[0]
     result = JudgeReward(_judge_cfg(template="{response}"), judge, tmp_path / "judge.jsonl").score(
         ["p"] * 4, ["1", "2", "3", "4"], [""] * 4)  # ("4" still answers garbage)
-    assert result.scores.tolist() == [0.0, pytest.approx(1 / 9), pytest.approx(2 / 9), -1.0]  # the fallback
+    assert result.scores[:3].tolist() == [0.0, pytest.approx(1 / 9), pytest.approx(2 / 9)] and np.isnan(result.scores[3])
     assert result.metrics()["reward/judge_request_failure_rate"] == 0.25
+    assert result.metrics()["reward/judge_unscorable_rate"] == 0.25 and result.metrics()["reward/judge_parse_failure_rate"] == 0
 
 
 def test_the_url_judge_stops_on_what_retries_cannot_change(chat_server):
