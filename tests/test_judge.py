@@ -96,17 +96,30 @@ class ChatServer:
     """A real OpenAI-style /v1/chat/completions server in a thread (http.server): it answers "Score: <n>" for a
     prompt "n", and a prompt's script of failures first ("503", "429", "hang", "garbage", "401") per attempt."""
 
-    def __init__(self, scripts: dict[str, list[str]] | None = None, delay_s: float = 0.05):
+    def __init__(self, scripts: dict[str, list[str]] | None = None, delay_s: float = 0.05, answer=None):
+        """`answer(prompt, k)`: the reply's text to the k-th request (0-based), instead of "Score: <prompt>"."""
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.scripts, self.delay_s = {k: list(v) for k, v in (scripts or {}).items()}, delay_s
+        self.answer = answer or (lambda prompt, k: f"Score: {prompt}")
         self.lock, self.in_flight, self.most_in_flight, self.requests, self.auth = threading.Lock(), 0, 0, [], set()
+        self.gets: list[str] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
+
+            def do_GET(self):  # /v1/models: what rlframe asks before any worker starts (HTTPJudge.probe)
+                with server.lock:
+                    server.gets.append(self.path)
+                reply = json.dumps({"object": "list", "data": [{"id": "judge", "object": "model"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
 
             def do_POST(self):
                 import time as clock
@@ -117,6 +130,7 @@ class ChatServer:
                     server.in_flight += 1
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
                     server.requests.append((self.path, prompt))
+                    k = len(server.requests) - 1
                     server.auth.add(self.headers.get("Authorization"))
                     step = server.scripts.get(prompt, []).pop(0) if server.scripts.get(prompt) else "ok"
                 try:
@@ -129,7 +143,7 @@ class ChatServer:
                         self.end_headers()
                         return
                     reply = b"not json" if step == "garbage" else json.dumps(
-                        {"choices": [{"message": {"role": "assistant", "content": f"Score: {prompt}"}}]}).encode()
+                        {"choices": [{"message": {"role": "assistant", "content": server.answer(prompt, k)}}]}).encode()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(reply)))
@@ -201,3 +215,123 @@ def test_the_url_judge_stops_on_what_retries_cannot_change(chat_server):
     assert len(server.requests) == 1  # not retried
     with pytest.raises(JudgeError, match="none of the 2 requests got an answer.*Connection refused"):
         HTTPJudge("http://127.0.0.1:9/v1", "judge", 8, timeout_s=1, max_retries=1, backoff_s=0.01).generate(["1", "2"])
+
+
+# ------------------------------------------------------------------ the judge in a GRPO run (issue 40's must-show)
+def judge_reply(prompt: str, k: int) -> str:
+    """The test judge: a score from 1 to 10 that depends on what it was asked (so a group's scores differ), and
+    for the very first request it gets an unparsable reply: the injected failure."""
+    import zlib
+
+    if k == 0:
+        return "I would rather not grade this one."
+    return f"Score: {1 + zlib.crc32(prompt.encode()) % 10}"
+
+
+def test_grpo_with_a_url_judge_leaves_the_unparsable_reply_out_of_its_group(chat_server, tiny_model_dir, tmp_path):
+    """2 GRPO steps, 2 prompts x 4 samples each, judged through the URL backend by a real HTTP server in this
+    process: one request per sample (the server counts), the one unparsable reply is unscorable: its group's
+    advantages are GRPO's over the other three samples (recomputed here from the run's rollouts.jsonl), and
+    it has advantage 0; every verdict is in judge_outputs.jsonl and the report."""
+    from conftest import read_metrics, run_tiny
+
+    server = chat_server(delay_s=0.01, answer=judge_reply)
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "rollout.engine=hf", "rollout.n=4",
+                               "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "trainer.dump_rollouts=true",
+                               f"reward.judge.url={server.url}", "reward.judge.model=test-judge",
+                               "reward.judge.max_concurrency=4", "reward.judge.max_rpm=6000")
+    samples = 2 * 2 * 4  # steps x prompts x samples
+    asked = [prompt for _, prompt in server.requests]
+    assert len(asked) == samples  # once per sample: no retry, validation not judged
+    assert server.gets == ["/v1/models"]  # the probe before any worker started
+    assert all("<|im_start|>" not in prompt and "\\boxed" in prompt for prompt in asked)  # the question, unwrapped
+    outputs = [json.loads(line) for line in open(run_dir / "judge_outputs.jsonl")]
+    assert len(outputs) == samples and sorted(o["step"] for o in outputs) == [1] * 8 + [2] * 8
+    assert len({(o["step"], o["uid"], o["row"]) for o in outputs}) == samples
+    bad = [o for o in outputs if not o["scorable"]]
+    assert len(bad) == 1 and bad[0]["judge"] == "I would rather not grade this one." and bad[0]["score"] is None
+    assert all(o["judge"].startswith("Score: ") for o in outputs if o["scorable"])
+
+    metrics = {m["step"]: m for m in read_metrics(run_dir)}
+    assert metrics[bad[0]["step"]]["reward/judge_unscorable_rate"] == pytest.approx(1 / 8)
+    assert metrics[3 - bad[0]["step"]]["reward/judge_unscorable_rate"] == 0.0
+    assert metrics[1]["reward/judge_calls"] == metrics[2]["reward/judge_calls"] == 8
+    assert "timing/reward_wait_s" in metrics[1]  # scored in the background thread (reward.overlap)
+
+    rollouts = [json.loads(line) for line in open(run_dir / "rollouts.jsonl")]
+    group = [r for r in rollouts if r["step"] == bad[0]["step"] and r["uid"] == bad[0]["uid"]]
+    assert len(group) == 4 and [r["scorable"] for r in group].count(False) == 1
+    scored = [r for r in group if r["scorable"]]
+    rewards = torch_tensor([r["score"] for r in scored])
+    expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # GRPO over the three scorable samples
+    assert [r["advantage"] for r in scored] == pytest.approx(expected.tolist(), abs=1e-4)
+    assert rewards.std() > 0  # (the judge's scores differ: the check above is not 0 == 0)
+    assert [r["advantage"] for r in group if not r["scorable"]] == [0.0]
+    # the judge's part of a scorable sample's score: (n - 1) / 9 of its verdict, on top of the rule reward
+    judged = {(o["step"], o["uid"], o["response"]): o["score"] for o in outputs if o["scorable"]}
+    for r in scored:
+        assert r["score"] >= judged[(r["step"], r["uid"], r["response"])] - 1e-6  # (the rule reward is >= 0)
+    report = (run_dir / "report.html").read_text()
+    assert "LLM judge outputs" in report and "16 verdicts, 1 unscorable" in report
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_rubric_and_verdict_parsers_and_the_probe(chat_server):
+    """Weighted criteria -> one score (hand-computed); a free-form verdict through its pattern; a judge URL that
+    does not answer is an error before any worker starts, naming the fix."""
+    from types import SimpleNamespace
+
+    from rlframe.reward.judge import HTTPJudge, JudgeError, build_judge, pattern_parser, rubric_parser
+
+    criteria = [SimpleNamespace(name="correctness", weight=3.0), SimpleNamespace(name="clarity", weight=1.0)]
+    parse = rubric_parser(criteria)
+    # (3 * (10 - 1) / 9 + 1 * (4 - 1) / 9) / 4 = (3 + 1/3) / 4 = 5/6
+    assert parse("Correctness: 10\nClarity: 4") == pytest.approx(5 / 6)
+    assert parse("correctness: 10") is None and parse("correctness: 11\nclarity: 4") is None  # missing / out of range
+    verdict = pattern_parser(r"verdict:\s*(\w+)", {"correct": 1.0, "incorrect": 0.0})
+    assert verdict("Looks fine.\nVerdict: CORRECT") == 1.0 and verdict("Verdict: incorrect") == 0.0
+    assert verdict("Verdict: unsure") is None and verdict("no verdict here") is None
+    assert verdict("Verdict: incorrect ... wait. Verdict: correct") == 1.0  # the last verdict counts
+    assert pattern_parser(r"grade=(\d+)", {})("grade=7") == 7.0
+    server = chat_server()
+    assert HTTPJudge(server.url, "judge", 8).probe() is None and server.gets == ["/v1/models"]
+    cfg = SimpleNamespace(reward=SimpleNamespace(judge=SimpleNamespace(
+        url="http://127.0.0.1:9/v1", model="judge", max_new_tokens=8, api_key_env="NO_SUCH_KEY", timeout_s=2,
+        max_retries=0, max_concurrency=1, max_rpm=0)))
+    with pytest.raises(JudgeError, match="does not answer.*Fix: start it first"):
+        build_judge(cfg, None)
+
+
+def test_max_rpm_spaces_the_requests(chat_server):
+    from rlframe.reward.judge import HTTPJudge
+
+    server = chat_server(delay_s=0.0)
+    judge = HTTPJudge(server.url, "judge", 8, max_concurrency=4, max_rpm=600)  # one request per 0.1 s
+    started = time.perf_counter()
+    assert judge.generate([str(n) for n in range(1, 7)]) == [f"Score: {n}" for n in range(1, 7)]
+    assert time.perf_counter() - started >= 0.5  # 6 requests: the last starts 5 x 0.1 s after the first
+
+
+def test_judge_settings_are_checked_before_any_worker():
+    from rlframe.config import ConfigError, validate_config
+    from rlframe.main import compose_config
+
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config(["recipe=grpo_math", "reward.judge.url=localhost:8000", "reward.judge.model=j",
+                                        "reward.judge.pattern='(unclosed'", "reward.judge.criteria=[{name: ''}]"]))
+    message = str(error.value)
+    assert "reward.judge.url: 'localhost:8000' is not an http(s) URL" in message
+    assert "reward.judge: criteria and pattern are both set" in message
+    assert "reward.judge.pattern: '(unclosed' is not a regular expression" in message
+    assert "reward.judge.criteria[0].name: a criterion needs a name" in message
+    with pytest.raises(ConfigError, match="reward.judge.verdicts: verdicts are read through reward.judge.pattern"):
+        validate_config(compose_config(["recipe=grpo_math", "reward.judge.url=http://h:1/v1", "reward.judge.model=j",
+                                        "+reward.judge.verdicts.correct=1"]))
+    # judge only: no rule reward needed when the judge gives the reward
+    validate_config(compose_config(["recipe=grpo_math", "reward.judge.url=http://h:1/v1", "reward.judge.model=j",
+                                    "reward.functions=[]"]))

@@ -234,6 +234,24 @@ class HTTPJudge:
                              "reward.judge.timeout_s / max_retries)")
         return replies
 
+    def probe(self) -> str | None:
+        """Before any worker starts: GET <url>/models answers (any server that speaks the API lists its models
+        there). Why the judge cannot be reached, or None; a server without that endpoint (404 / 405 / 501) passes."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.base_url + "/models", headers=headers),
+                                        timeout=min(self.timeout_s, 10.0)) as reply:
+                reply.read(MAX_REPLY_BYTES)
+        except urllib.error.HTTPError as error:
+            if error.code in (401, 403):
+                return refused(self.base_url, error.code, self.model)
+            return None
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            return (f"reward.judge.url {self.base_url}: the judge's server does not answer ({type(error).__name__}: "
+                    f"{error}). Fix: start it first (e.g. `vllm serve <model> --served-model-name "
+                    f"{self.model} --port <port>`), or point reward.judge.url at a running OpenAI-compatible API")
+        return None
+
     def ask(self, prompt: str) -> str | None:
         """One prompt's reply, retried as the module docstring says; None when every attempt failed."""
         body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": prompt}],
@@ -427,6 +445,9 @@ def build_judge(cfg, run_dir: Path, engine_settings: Callable[[], tuple] | None 
         backend = HTTPJudge(judge.url, judge.model, judge.max_new_tokens, os.environ.get(judge.api_key_env, ""),
                             judge.timeout_s, max_retries=judge.max_retries, max_concurrency=judge.max_concurrency,
                             max_rpm=judge.max_rpm)
+        problem = backend.probe()
+        if problem is not None:
+            raise JudgeError(problem)
     else:
         settings, tokenizer = engine_settings()
         backend = EngineJudge(settings, tokenizer, judge.timeout_s)

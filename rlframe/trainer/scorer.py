@@ -278,7 +278,8 @@ class Scorer:
         uids = list(nt["uid"]) if "uid" in nt else [None] * len(texts)
         step = batch.meta_info.get("step", self.clock.step)
         before = self.judge.calls
-        judged = self.judge.score([prompt_text(p) for p in nt["raw_prompt"]], texts, list(nt["ground_truth"]),
+        unwrap = chat_unwrapper(self.tokenizer)
+        judged = self.judge.score([unwrap(prompt_text(p)) for p in nt["raw_prompt"]], texts, list(nt["ground_truth"]),
                                   rows={"step": [step] * len(texts), "uid": uids, "row": list(range(len(texts)))})
         return judged, {**judged.metrics(), "reward/judge_calls": float(self.judge.calls - before)}
 
@@ -331,6 +332,28 @@ class Scorer:
         self.rewards.close()
         if self.judge is not None:
             self.judge.close()
+
+
+def chat_unwrapper(tokenizer):
+    """templated prompt -> the user's message, for the judge's {prompt}: the chat template's text around one user
+    message (its system prompt and headers) is cut off; a prompt it does not wrap that way (several messages, an
+    image) stays whole."""
+    marker = "\u0000RLFRAME-USER\u0000"
+    try:
+        wrapped = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                                tokenize=False)
+    except Exception:
+        return lambda text: text
+    if not isinstance(wrapped, str) or wrapped.count(marker) != 1:
+        return lambda text: text
+    head, tail = wrapped.split(marker)
+
+    def unwrap(text: str) -> str:
+        if text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail):
+            return text[len(head):len(text) - len(tail)]
+        return text
+
+    return unwrap
 
 
 def first_unscorable(judged) -> str | None:
