@@ -335,3 +335,20 @@ def test_judge_settings_are_checked_before_any_worker():
     # judge only: no rule reward needed when the judge gives the reward
     validate_config(compose_config(["recipe=grpo_math", "reward.judge.url=http://h:1/v1", "reward.judge.model=j",
                                     "reward.functions=[]"]))
+
+
+def test_grpo_with_the_tiny_model_as_its_own_judge_stops_when_nothing_parses(tiny_model_dir, tmp_path):
+    """The engine backend in an RL run (the judge: the tiny random model on HF generate, its own Ray actor): it never
+    writes a rubric line, so every sample is unscorable, counted, logged, and with reward.max_failure_steps=1 the run
+    stops after step 1 with an error naming the judge, instead of training on made-up scores."""
+    from conftest import TINY_RUN_OVERRIDES, run_main
+
+    run_dir = tmp_path / "run"
+    result = run_main(["recipe=grpo_judge_math", *TINY_RUN_OVERRIDES, "rollout.engine=hf", f"model.path={tiny_model_dir}",
+                       f"trainer.run_dir={run_dir}", "reward.judge.url=", f"reward.judge.model={tiny_model_dir}",
+                       "reward.judge.engine=hf", "reward.judge.max_new_tokens=4", "reward.max_failure_steps=1",
+                       "trainer.val_before_train=false"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "error: the LLM judge (reward.judge) gave no usable verdict on 8 of 8 samples" in result.stderr + result.stdout
+    outputs = [json.loads(line) for line in open(run_dir / "judge_outputs.jsonl")]
+    assert len(outputs) == 8 and not any(o["scorable"] for o in outputs) and all(o["score"] is None for o in outputs)

@@ -51,6 +51,8 @@ def compute_advantage(batch: DataProto, cfg: RLConfig) -> DataProto:
     estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
     # an LLM judge's unscorable samples (column `scorable`): out of the baselines, advantage 0
     unscorable = {"scorable": batch.batch["scorable"]} if "scorable" in batch else {}
+    if unscorable and "baseline_rewards" in batch:  # ReMax: a prompt whose greedy baseline the judge did not score
+        unscorable["scorable"] = unscorable["scorable"] & batch.batch["baseline_rewards"].isfinite()
     advantages, returns = estimator(
         batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"],
         config=AdvantageConfig(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,

@@ -19,7 +19,7 @@ advantage 0 (rlframe/algos/advantages.py). Validation scores with the rule rewar
 
 A reward function that fails on more than reward.max_failure_rate of its samples in each of
 reward.max_failure_steps training batches in a row stops the run (`FailureWatch`): training on fallback
-scores teaches nothing. The judge is watched the same way (label "judge": its unscorable samples).
+scores teaches nothing. The judge is watched the same way (its unscorable samples).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def reward_manager(cfg: RLConfig) -> RewardManager:
         import_timeout_s=cfg.reward.import_timeout_s, max_output_bytes=cfg.reward.max_output_bytes)
 
 
+JUDGE_LABEL = "reward.judge"  # the judge's entry among the reward functions' failures (FailureWatch)
+
 class FailureWatch:
     """Stops a run whose reward function fails on nearly every sample: more than `max_rate` of the samples
     it scored failed, in each of `steps` training batches in a row (`max_rate` 1.0: never)."""
@@ -76,8 +78,10 @@ class FailureWatch:
             else:
                 self.first_errors.pop(f.label, None)
             if self.streaks[f.label] >= self.steps:
+                what = ("the LLM judge (reward.judge) gave no usable verdict" if f.label == JUDGE_LABEL
+                        else f"reward function {f.label} failed")
                 raise RewardError(
-                    f"reward function {f.label} failed on {f.failed} of {f.scored} samples in the last batch, and on "
+                    f"{what} on {f.failed} of {f.scored} samples in the last batch, and on "
                     f"more than {self.max_rate:.0%} of its samples in each of the last {self.steps} training "
                     f"batches (reward.max_failure_rate={self.max_rate:g}, reward.max_failure_steps={self.steps}): "
                     f"training on fallback scores teaches nothing, so the run stops. Its first failure:\n"
@@ -257,7 +261,7 @@ class Scorer:
             batch.batch["scorable"] = torch.as_tensor(judged.scorable, dtype=torch.bool)
             metrics.update(judge_metrics)
             result.by_function = [*result.by_function, FunctionFailures(
-                "judge", int((~judged.scorable).sum()), len(texts), first_unscorable(judged))]
+                JUDGE_LABEL, int((~judged.scorable).sum()), len(texts), first_unscorable(judged))]
         batch.batch["token_level_scores"] = place_scores_on_last_token(scores, batch.batch["response_mask"])
         nt = batch.non_tensor_batch
         if self.cfg.rollout.multi_turn.turn_rewards == "per_turn" and "agent_turn_reward_positions" in nt:
