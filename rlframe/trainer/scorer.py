@@ -59,6 +59,7 @@ def reward_manager(cfg: RLConfig) -> RewardManager:
 
 JUDGE_LABEL = "reward.judge"  # the judge's entry among the reward functions' failures (FailureWatch)
 
+
 class FailureWatch:
     """Stops a run whose reward function fails on nearly every sample: more than `max_rate` of the samples
     it scored failed, in each of `steps` training batches in a row (`max_rate` 1.0: never)."""
