@@ -352,3 +352,31 @@ def test_grpo_with_the_tiny_model_as_its_own_judge_stops_when_nothing_parses(tin
     assert "error: the LLM judge (reward.judge) gave no usable verdict on 8 of 8 samples" in result.stderr + result.stdout
     outputs = [json.loads(line) for line in open(run_dir / "judge_outputs.jsonl")]
     assert len(outputs) == 8 and not any(o["scorable"] for o in outputs) and all(o["score"] is None for o in outputs)
+
+
+def test_rlframe_eval_asks_the_judge_too(chat_server, tiny_model_dir, tmp_path):
+    """python -m rlframe.eval ... judge=<url>: each response graded once by the judge, the judge's mean over the
+    scorable replies and the unscorable share in the metrics and the table, each reply beside its response in out=."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    rows = [{"data_source": "toy", "prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
+             "reward_model": {"ground_truth": str(i + 1)}} for i in range(4)]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server = chat_server(delay_s=0.0, answer=lambda prompt, k: "Score: 10" if k % 2 else "no idea")
+    out = tmp_path / "samples.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlframe.eval", f"model={tiny_model_dir}", f"data={tmp_path / 'val.jsonl'}",
+         "reward=reward_fns/math.py", "engine=hf", "max_response_length=8", "n=2", "temperature=1.0",
+         f"judge={server.url}", "judge_model=test-judge", f"out={out}"],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(server.requests) == 8 and all("plus 1?" in prompt for _, prompt in server.requests)
+    metrics = json.loads(result.stdout.split("metrics: ", 1)[1].splitlines()[0])
+    assert metrics["judge_unscorable_rate"] == 0.5 and metrics["judge_score_mean"] == 1.0  # "Score: 10" -> 1
+    assert "LLM judge plain: judge score 1.000, unscorable 0.500" in result.stdout
+    samples = [json.loads(line) for line in open(out)]
+    assert len(samples) == 8 and sorted(str(s["judge_score"]) for s in samples) == ["1.0"] * 4 + ["None"] * 4
+    assert {s["judge"] for s in samples} == {"Score: 10", "no idea"}

@@ -432,9 +432,10 @@ def judge_engine(setting: str) -> str:
     return "vllm" if torch.cuda.is_available() else "hf"
 
 
-def build_judge(cfg, run_dir: Path, engine_settings: Callable[[], tuple] | None = None,
+def build_judge(cfg, run_dir: Path | None, engine_settings: Callable[[], tuple] | None = None,
                 unscorable_score: float = float("nan")) -> JudgeReward | None:
-    """reward.judge -> a JudgeReward on its backend (None when no judge is configured). `engine_settings()`:
+    """reward.judge -> a JudgeReward on its backend (None when no judge is configured), logging to
+    <run_dir>/judge_outputs.jsonl (run_dir None: no log; rlframe.eval writes the replies beside its samples). `engine_settings()`:
     (RolloutSettings, tokenizer) of the local judge's engine (rlframe/trainer/worker_settings.py)."""
     if not judge_enabled(cfg):
         return None
@@ -451,4 +452,4 @@ def build_judge(cfg, run_dir: Path, engine_settings: Callable[[], tuple] | None 
     else:
         settings, tokenizer = engine_settings()
         backend = EngineJudge(settings, tokenizer, judge.timeout_s)
-    return JudgeReward(judge, backend, run_dir / "judge_outputs.jsonl", unscorable_score)
+    return JudgeReward(judge, backend, None if run_dir is None else run_dir / "judge_outputs.jsonl", unscorable_score)
