@@ -380,3 +380,45 @@ def test_rlframe_eval_asks_the_judge_too(chat_server, tiny_model_dir, tmp_path):
     samples = [json.loads(line) for line in open(out)]
     assert len(samples) == 8 and sorted(str(s["judge_score"]) for s in samples) == ["1.0"] * 4 + ["None"] * 4
     assert {s["judge"] for s in samples} == {"Score: 10", "no idea"}
+
+
+# ------------------------------------------------------------------ the URL backend against rlframe's own gateway
+from test_gateway import engine  # noqa: E402,F401  (the tiny HF engine fixture)
+
+
+def test_the_url_judge_through_rlframes_own_gateway(engine, tmp_path):
+    """rlframe's gateway (workers/rollout/gateway.py) serving the tiny HF engine as an OpenAI-compatible judge: the
+    probe and every judge request go through it (the episode's key as the API key), each prompt recorded token in,
+    token out, and each reply the engine sampled is the one the judge's parser scored."""
+    import threading
+
+    from rlframe.reward.judge import HTTPJudge, JudgeReward
+    from rlframe.workers.rollout.gateway import Gateway
+    from rlframe.workers.rollout.gateway_chat import ChatEncoder
+    from rlframe.workers.rollout.gateway_engines import CallParams, request_engine
+    from rlframe.workers.rollout.tools import get_parser
+
+    rollout, tokenizer, eos, pad = engine
+    gateway = Gateway(ChatEncoder(tokenizer, get_parser("hermes"), "hermes"), max_model_len=1024)
+    episode = gateway.open_episode(0, budget=64, params=CallParams(max_new_tokens=8, temperature=0.0), seed=0)
+    url, stop = gateway.start(), threading.Event()
+    requests = request_engine(rollout, tokenizer, eos, pad)
+    pump = threading.Thread(target=lambda: [gateway.serve_engine(requests) for _ in iter(stop.is_set, True)])
+    pump.start()
+    parser = tmp_path / "length.py"
+    parser.write_text("def score(text):\n    return len(text) / 100.0\n")
+    try:
+        backend = HTTPJudge(url, "judge", 8, api_key=episode.key, timeout_s=60, max_concurrency=2)
+        assert backend.probe() is None
+        judge = JudgeReward(_judge_cfg(template="Grade: {response}", parser=f"{parser}:score"), backend,
+                            tmp_path / "judge_outputs.jsonl")
+        result = judge.score(["p"] * 3, ["one", "two", "three"], [""] * 3)
+    finally:
+        stop.set()
+        pump.join()
+        gateway.stop()
+    assert len(episode.calls) == 3 and result.scorable.all() and any(result.outputs)
+    sampled = {call.messages[0]["content"]: tokenizer.decode(call.choices[0]["ids"], skip_special_tokens=True)
+               for call in episode.calls}
+    for response, reply, score in zip(["one", "two", "three"], result.outputs, result.scores):
+        assert reply == sampled[f"Grade: {response}"] and score == pytest.approx(len(reply) / 100.0)
