@@ -191,7 +191,7 @@ def header_sentence(text: str) -> str:
 
 
 def docs_page_of(recipe: dict) -> str:
-    """Where a recipe is explained, from what it sets: its stage, engine, LoRA, agent loop, gateway, images."""
+    """Where a recipe is explained, from what it sets: its stage, engine, LoRA, agent loop, gateway, judge, images."""
     actor, rollout, model = recipe.get("actor") or {}, recipe.get("rollout") or {}, recipe.get("model") or {}
     if recipe.get("stage", "rl") != "rl":
         return "stages.md"
@@ -201,6 +201,8 @@ def docs_page_of(recipe: dict) -> str:
         return "engines/lora.md"
     if "agent_program" in rollout:
         return "gateway.md"
+    if ((recipe.get("reward") or {}).get("judge") or {}).get("url") or ((recipe.get("reward") or {}).get("judge") or {}).get("model"):
+        return "judge.md"
     if "multi_turn" in rollout or "agent" in rollout:
         return "agents.md"
     if (recipe.get("data") or {}).get("source") == "shapes":

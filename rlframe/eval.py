@@ -22,6 +22,10 @@ Inference-time methods (rlframe/evaluation/methods.py): method (comma-separated:
 self_check, constrained, or all; each row next to the plain policy with its gain), cot_instruction,
 check_instruction, constrain (boxed | a regex | regex:<re> | a JSON schema | json:<schema> | file.json).
 checkpoints (with run=: all, step numbers, 0 = the starting model; rlframe/evaluation/checkpoints.py).
+LLM judge (docs/judge.md): judge (a URL, http://host:port/v1, or `run` with run=: the run's reward.judge, which must
+be a URL here) and judge_model (the served name): every response is also graded by the judge as training grades it
+(its rubric, verdict pattern or parser); judge_score_mean (over the scorable responses) and judge_unscorable_rate
+join the metrics, and each response's judge reply and score join the out= rows.
 harness (lm-eval task names, comma-separated), harness_include (a folder of task YAMLs), harness_fewshot,
 harness_backend (hf | vllm; rlframe/evaluation/harness.py).
 
@@ -48,7 +52,7 @@ from rlframe.evaluation.stats import pass_at_k  # noqa: F401  (the estimator, re
 KEYS = ("model", "data", "reward", "n", "k", "temperature", "top_p", "top_k", "engine", "max_prompt_length",
         "max_response_length", "max_samples", "prompt_key", "answer_key", "prompt_template", "seed", "out", "run",
         "repeats", "bootstrap", "extractor", "table", "method", "cot_instruction", "check_instruction", "constrain",
-        "checkpoints", "harness", "harness_include", "harness_fewshot", "harness_backend")
+        "checkpoints", "harness", "harness_include", "harness_fewshot", "harness_backend", "judge", "judge_model")
 
 
 class EvalUsageError(SystemExit):
@@ -111,6 +115,7 @@ def build_config(args: dict[str, str]):
             cfg.reward.functions.append(RewardFunctionConfig(path=str(Path(path).expanduser()), name=name or "compute_score"))
     elif run_dir is None:
         raise EvalUsageError("reward=<file or file:function> is required")
+    configure_judge(cfg, args)
     d, r = cfg.data, cfg.rollout
     d.max_prompt_length = int(args.get("max_prompt_length", d.max_prompt_length))
     d.max_response_length = int(args.get("max_response_length", d.max_response_length))
@@ -125,6 +130,26 @@ def build_config(args: dict[str, str]):
     r.top_k = int(args.get("top_k", r.top_k))
     cfg.trainer.seed = int(args.get("seed", cfg.trainer.seed))
     return cfg, model, files, run_dir
+
+
+def configure_judge(cfg, args: dict[str, str]) -> None:
+    """judge= / judge_model=: cfg.reward.judge as the evaluation uses it (off without judge=; a URL only: the
+    evaluation runs without Ray, so a judge on its own engine cannot start here)."""
+    judge = cfg.reward.judge
+    if "judge" not in args:
+        judge.url = judge.model = ""  # (a run's judge is not asked unless judge= says so)
+        return
+    if args["judge"] != "run":
+        if not args["judge"].startswith(("http://", "https://")):
+            raise EvalUsageError(f"judge={args['judge']}: give the judge's OpenAI-compatible URL "
+                                 "(http://host:port/v1), or judge=run with run=<run_dir> for the run's own judge")
+        judge.url = args["judge"]
+        judge.model = args.get("judge_model", judge.model if judge.url else "") or "judge"
+    elif "judge_model" in args:
+        judge.model = args["judge_model"]
+    if not judge.url:
+        raise EvalUsageError("judge=run: the run has no reward.judge.url (rlframe.eval asks a judge through its URL; "
+                             "serve the run's judge model, e.g. `vllm serve <model>`, and give judge=http://host:port/v1)")
 
 
 def run_validation_files(cfg, run_dir: Path) -> list[str]:
@@ -200,6 +225,7 @@ def options_from_args(args: dict[str, str]):
             raise EvalUsageError(f"extractor={args['extractor']}: give path:function (a function text -> answer)")
         extractor = load_function(path, name, "extractor")
     return EvalOptions(n=n, ks=ks, methods=methods, repeats=integer("repeats", 1), constraint=constraint,
+                       judge="judge" in args,
                        cot_instruction=args.get("cot_instruction", COT_INSTRUCTION),
                        check_instruction=args.get("check_instruction", CHECK_INSTRUCTION), extractor=extractor,
                        resamples=integer("bootstrap", 1000, low=10))

@@ -1,10 +1,10 @@
 """`python -m rlframe.report <run_dir>`: one self-contained HTML page about a run.
 
-Reads `<run_dir>/metrics.jsonl` (and `validation_samples.jsonl`, `config.yaml`, `doctor.json`, `gates.jsonl`
-when present) and writes `<run_dir>/report.html`: the doctor's checklist (`python -m rlframe.doctor`) and the
+Reads `<run_dir>/metrics.jsonl` (and `validation_samples.jsonl`, `config.yaml`, `doctor.json`, `gates.jsonl`,
+`judge_outputs.jsonl` when present) and writes `<run_dir>/report.html`: the doctor's checklist (`python -m rlframe.doctor`) and the
 gates that fired during training (trainer.gates), reward and accuracy curves (train and validation), response
 length, KL, entropy, clip fractions, the rollout/trainer log-prob gap, the time of each phase per step,
-throughput, memory, and a table of sample rollouts with their rewards. The plots are inline SVG drawn
+throughput, memory, a table of sample rollouts with their rewards, and an LLM judge's every verdict (reward.judge). The plots are inline SVG drawn
 here: no script from a CDN, nothing fetched, so the file opens anywhere (and can be mailed).
 The trainer regenerates it at the end of every run.
 """
@@ -35,6 +35,10 @@ CHARTS: list[tuple[str, list[tuple[str, str, bool]]]] = [
                         ("actor/pg_clipfrac_lower", "ratio clipped (dual, lower)", False),
                         ("response_length/clip_ratio", "responses cut at the length limit", False)]),
     ("Rollout vs trainer log-prob gap", [("rollout/logprob_abs_diff", "mean |logp_rollout - logp_trainer|", False)]),
+    ("LLM judge (reward.judge)", [("reward/judge_score_mean", "judge score (scorable samples)", False),
+                                  ("reward/judge_unscorable_rate", "unscorable share", False),
+                                  ("reward/judge_parse_failure_rate", "replies that did not parse", True),
+                                  ("reward/judge_request_failure_rate", "requests that failed", True)]),
     ("Group signal (gates)", [("reward/zero_variance_groups", "share of groups scoring alike", False),
                               ("reward/score_std", "score std over the batch", False)]),
     ("Losses and gradient", [("actor/pg_loss", "policy loss", False), ("actor/grad_norm", "grad norm", False),
@@ -287,6 +291,34 @@ def checkpoint_eval_section(run_dir: Path) -> str:
             f"<table><tr>{head}</tr>{body}</table>")
 
 
+JUDGE_ROWS_SHOWN = 2000  # judge outputs in the report (the file keeps them all)
+
+
+def judge_section(run_dir: Path) -> str:
+    """Every LLM-judge output (judge_outputs.jsonl: step, uid, response, the judge's reply, its score or
+    'unscorable' and why), newest last; "" without a judge."""
+    rows = read_jsonl_rows(run_dir / "judge_outputs.jsonl")
+    if not rows:
+        return ""
+    unscorable = sum(1 for r in rows if r.get("score") is None)
+    shown = rows[-JUDGE_ROWS_SHOWN:]
+
+    def cut(text, n=400) -> str:
+        text = str(text if text is not None else "")
+        return html.escape(text if len(text) <= n else text[:n] + " ...")
+
+    body = "".join(
+        f"<tr><td class='num'>{html.escape(str(r.get('step', '')))}</td><td>{cut(r.get('uid', ''), 40)}</td>"
+        f"<td><pre>{cut(r.get('response'))}</pre></td><td><pre>{cut(r.get('judge'))}</pre></td>"
+        + (f"<td class='num'>{html.escape(_fmt(float(r['score'])))}</td>" if r.get("score") is not None else
+           f"<td style='color:#d62728'>unscorable: {cut(r.get('why') or 'no verdict', 80)}</td>") + "</tr>"
+        for r in shown)
+    more = f" (the last {len(shown)} here; all in judge_outputs.jsonl)" if len(shown) < len(rows) else ""
+    return (f"<h2>LLM judge outputs</h2><p>{len(rows)} verdicts, {unscorable} unscorable (left out of their group's "
+            f"baseline with advantage 0){more}</p><details><summary>every verdict</summary><table><tr><th>step</th>"
+            f"<th>uid</th><th>response</th><th>judge's reply</th><th>score</th></tr>{body}</table></details>")
+
+
 def summary_rows(steps: dict[int, dict[str, float]]) -> list[tuple[str, str]]:
     vals = [(s, m) for s, m in steps.items() if "val/reward_mean" in m]
     rows = [("steps logged", str(max((s for s in steps), default=0)))]
@@ -349,6 +381,7 @@ td.num {{ text-align: right; }} pre {{ white-space: pre-wrap; margin: 0; max-wid
 <h2>Curves</h2>
 <div class="charts">{''.join(charts) or '<p>No metrics logged yet.</p>'}</div>
 {checkpoint_eval_section(run_dir)}
+{judge_section(run_dir)}
 <h2>Sample rollouts (last validation)</h2>
 {'<table><tr><th>reward</th><th>ground truth</th><th>response</th></tr>' + sample_rows + '</table>' if samples else '<p>none written</p>'}
 {config_html}

@@ -331,3 +331,50 @@ def test_masked_helpers():
     assert whitened[mask.bool()].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
     assert masked_mean(values, torch.zeros(2, 3)).item() == 0.0
     assert masked_var(values, torch.zeros(2, 3)).item() == 0.0
+
+
+# ------------------------------------------------------------------ unscorable samples (an LLM judge's failed verdicts)
+# Seven sequences, T = 2, outcome reward on the last token; U marks an unscorable row (reward 5, never read):
+#   group "a": rewards 1, 0, U, 1   -> scorable 1, 0, 1: mean 2/3, unbiased std sqrt(((1/3)^2*2 + (2/3)^2)/2) = sqrt(1/3)
+#   group "b": rewards 0, 1, U      -> scorable 0, 1: mean 1/2, std sqrt(1/2)
+#   group "c": rewards 1, U... only one scorable -> no baseline: 0
+U_SCORES = [1.0, 0.0, 5.0, 1.0, 0.0, 1.0, 5.0, 1.0, 5.0]
+U_GROUPS = np.array(["a", "a", "a", "a", "b", "b", "b", "c", "c"], dtype=object)
+U_SCORABLE = torch.tensor([True, True, False, True, True, True, False, True, False])
+U_MASK = torch.ones(9, 2)
+
+
+def test_unscorable_rows_are_left_out_of_the_group_baseline_with_advantage_zero():
+    rewards = outcome_token_rewards(U_SCORES, U_MASK)
+    grpo = get_advantage_estimator("grpo")
+    advantages, _ = grpo(rewards, U_MASK, U_GROUPS, config=AdvantageConfig(eps=0.0), scorable=U_SCORABLE)
+    s3, s2 = math.sqrt(1 / 3), math.sqrt(1 / 2)
+    expected = [(1 / 3) / s3, (-2 / 3) / s3, 0.0, (1 / 3) / s3, -0.5 / s2, 0.5 / s2, 0.0, 0.0, 0.0]
+    assert advantages[:, 0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert torch.equal(advantages[:, 0], advantages[:, 1])  # broadcast over the tokens
+    # without the mask the unscorable reward 5 would be in group a's baseline: mean 7/4, so row 0 would be negative
+    unmasked, _ = grpo(rewards, U_MASK, U_GROUPS, config=AdvantageConfig(eps=0.0))
+    assert unmasked[0, 0] < 0 < advantages[0, 0]
+    # RLOO: r_i - mean of the OTHER scorable samples of its group: a: 1 - 1/2, 0 - 1, 1 - 1/2; b: 0 - 1, 1 - 0
+    rloo, _ = get_advantage_estimator("rloo")(rewards, U_MASK, U_GROUPS, config=AdvantageConfig(), scorable=U_SCORABLE)
+    assert rloo[:, 0].tolist() == pytest.approx([0.5, -1.0, 0.0, 0.5, -1.0, 1.0, 0.0, 0.0, 0.0])
+    # all scorable: exactly the estimator without a mask
+    every = torch.ones(9, dtype=torch.bool)
+    assert torch.equal(grpo(rewards, U_MASK, U_GROUPS, config=AdvantageConfig(), scorable=every)[0],
+                       grpo(rewards, U_MASK, U_GROUPS, config=AdvantageConfig())[0])
+
+
+def test_unscorable_rows_with_a_critic_and_a_batch_whitening():
+    rewards = outcome_token_rewards(U_SCORES, U_MASK)
+    values = torch.full((9, 2), 0.25)
+    gae = get_advantage_estimator("gae")
+    advantages, returns = gae(rewards, U_MASK, None, config=AdvantageConfig(), values=values, scorable=U_SCORABLE)
+    # a scorable row: delta_1 = r - 0.25, A_1 = r - 0.25, A_0 = 0 + 0.25 - 0.25 + A_1 = r - 0.25 (gamma = lam = 1)
+    assert advantages[0].tolist() == pytest.approx([0.75, 0.75]) and advantages[1].tolist() == pytest.approx([-0.25, -0.25])
+    assert advantages[2].tolist() == [0.0, 0.0] and returns[2].tolist() == [0.25, 0.25]  # value target = its value
+    # REINFORCE++: whitened over the scorable tokens only (the 5s would shift the batch mean)
+    rpp, _ = get_advantage_estimator("reinforce_plus_plus")(rewards, U_MASK, None, config=AdvantageConfig(),
+                                                           scorable=U_SCORABLE)
+    assert float(rpp[U_SCORABLE].mean()) == pytest.approx(0.0, abs=1e-6) and rpp[~U_SCORABLE].abs().sum() == 0
+    with pytest.raises(ValueError, match="scorable has shape"):
+        gae(rewards, U_MASK, None, config=AdvantageConfig(), values=values, scorable=U_SCORABLE[:3])

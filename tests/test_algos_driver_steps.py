@@ -87,6 +87,12 @@ def test_dynamic_sampling_compares_the_scores_before_overlong_shaping():
     plain = DataProto.from_dict(tensors={"response_mask": mask, "token_level_scores": scores},
                                 non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
     assert len(algorithm_steps.keep_informative(plain)) == 2
+    # an LLM judge's unscorable row (scorable False) does not make its group informative: "a" differs only there
+    judged = DataProto.from_dict(tensors={"response_mask": mask_of([1, 1, 1, 1], width=1),
+                                          "token_level_scores": torch.tensor([[1.0], [5.0], [1.0], [0.0]]),
+                                          "scorable": torch.tensor([True, False, True, True])},
+                                 non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    assert list(algorithm_steps.keep_informative(judged).non_tensor_batch["uid"]) == ["b", "b"]
 
 
 def test_kl_in_reward_hand_computed():

@@ -45,6 +45,11 @@ def test_form_to_overrides_and_the_command_line():
     assert forms.value_text("12") == "'12'" and forms.value_text("true") == "'true'" and forms.value_text("a b") == "'a b'"
     assert forms.value_text(True) == "true" and forms.value_text(None) == "null" and forms.value_text(0.5) == "0.5"
     assert forms.TrainForm.from_dict({**form.to_dict(), "unknown": 1}) == form
+    # an LLM judge in the loop (docs/judge.md): its URL and model from the Reward box, the rest from the YAML
+    judged = forms.TrainForm(judge_url="http://127.0.0.1:8000/v1", judge_model="judge")
+    assert forms.form_overrides(judged) == ["recipe=grpo_math", "reward.judge.url=http://127.0.0.1:8000/v1",
+                                            "reward.judge.model=judge"]
+    assert {"reward.judge.url", "reward.judge.model"} <= forms.owned_keys(judged)
 
 
 def test_yaml_editor_changes_become_overrides():

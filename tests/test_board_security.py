@@ -73,7 +73,8 @@ def form(**values) -> list:
     """The Train tab's values in FORM_FIELDS order (the recipe's own everything, unless given)."""
     data = {"stage": "rl", "recipe": "grpo_math", "model_source": "embedded", "model_path": "", "data_source": "recipe",
             "train_files": "", "val_files": "", "prompt_key": "", "answer_key": "", "image_key": "",
-            "reward_path": RECIPE_REWARD, "reward_name": "compute_score", **{k: "" for k in MAIN_KEYS},
+            "reward_path": RECIPE_REWARD, "reward_name": "compute_score", "judge_url": "", "judge_model": "",
+            **{k: "" for k in MAIN_KEYS},
             "extra_yaml": ""}
     data.update(values)
     return [data[name] for name in FORM_FIELDS]

@@ -103,6 +103,24 @@ def gsm8k_parquet(tmp_path_factory) -> Path:
     return folder / "out"
 
 
+@pytest.fixture
+def rubric_judge():
+    """The CI judge of grpo_judge_math: a real HTTP server (tests/test_judge.py ChatServer) rating every criterion
+    the judge prompt lists, 1-10, from a hash of the prompt (a random tiny model as judge would never parse)."""
+    import re
+    import zlib
+
+    from test_judge import ChatServer
+
+    def rate(prompt: str, k: int) -> str:
+        names = re.findall(r"^- (\w+) \(weight", prompt, flags=re.MULTILINE)
+        return "\n".join(f"{name}: {1 + zlib.crc32((name + prompt).encode()) % 10}" for name in names)
+
+    server = ChatServer(delay_s=0.0, answer=rate)
+    yield server
+    server.close()
+
+
 def recipe_stage(recipe: str) -> str:
     from rlframe.main import compose_config
 
@@ -114,6 +132,8 @@ def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
     if recipe == "grpo_vlm_shapes":
         return args  # its own model: the tiny Qwen2.5-VL the cache builds (model.path: tiny-qwen2.5-vl)
     args.append(f"model.path={model_dir}")
+    if recipe == "grpo_judge_math":  # the judge: a small OpenAI-compatible server in this process (docs/judge.md)
+        args.append(f"reward.judge.url={request.getfixturevalue('rubric_judge').url}")
     if recipe == "grpo_gsm8k":
         data = request.getfixturevalue("gsm8k_parquet")
         args += [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}"]
@@ -161,6 +181,20 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
         check_gateway_run(run_dir)
     if recipe in ALGORITHM_CASES:
         ALGORITHM_CASES[recipe][1](metrics, result.stdout)
+    if recipe == "grpo_judge_math":
+        check_judge_run(run_dir, trained, request.getfixturevalue("rubric_judge"))
+
+
+def check_judge_run(run_dir: Path, trained: list[dict], server) -> None:
+    """One judge request per sample (4 prompts x 2 samples x 2 steps), every verdict parsed by the rubric and
+    logged, the judge's share in the step's metrics and the report."""
+    outputs = [json.loads(line) for line in (run_dir / "judge_outputs.jsonl").read_text().splitlines()]
+    assert len(server.requests) == len(outputs) == 2 * 4 * 2
+    assert all(o["scorable"] and 0.0 <= o["score"] <= 1.0 for o in outputs), outputs[:2]
+    assert all("correctness:" in o["judge"] and "reasoning:" in o["judge"] for o in outputs)
+    for step in trained:
+        assert step["reward/judge_unscorable_rate"] == 0.0 and step["reward/judge_calls"] == 8
+    assert "LLM judge outputs" in (run_dir / "report.html").read_text()
 
 
 def check_main_job_run(run_dir: Path, stdout: str, trained: list[dict]) -> None:

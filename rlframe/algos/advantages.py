@@ -23,6 +23,14 @@ Each registry entry also says what its estimator needs from the step before it r
 (`EstimatorNeeds`: a critic's values, groups of n >= 2 samples, a greedy baseline, multi-turn
 rollouts); the configuration checks and the driver ask `estimator_needs(name)`, never the name.
 
+Unscorable samples (`scorable` [B] bool, False where an LLM judge gave no usable verdict: rlframe/reward/judge.py)
+are left out of every estimator by the registry's wrapper: the estimator runs on the scorable rows only (so a
+group's mean and std, RLOO's leave-one-out mean, OPO's length-weighted baseline and a batch whitening are
+computed without them), and an unscorable row gets advantage 0 (returns: its values where a critic gave them,
+else 0), whatever the estimator.
+
+    advantages, returns = estimator(rewards, mask, uids, config=AdvantageConfig(), scorable=scorable)
+
 Register your own with `@register_advantage_estimator("name", needs=EstimatorNeeds(...))`, or load it
 from a file through `rlframe.algos.plugins.register_from_config` (a `needs` attribute on the function).
 """
@@ -69,6 +77,7 @@ class AdvantageEstimator(Protocol):
         config: AdvantageConfig,
         values: torch.Tensor | None = None,
         baseline_rewards: torch.Tensor | None = None,
+        scorable: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -134,7 +143,11 @@ def estimator_needs(name: str) -> EstimatorNeeds:
 
 
 def _with_common_postprocessing(estimator: AdvantageEstimator, needs: EstimatorNeeds) -> AdvantageEstimator:
-    def run(token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None):
+    def run(token_level_rewards, response_mask, group_index=None, *, config, values=None, baseline_rewards=None,
+            scorable=None):
+        if scorable is not None and not bool(torch.as_tensor(scorable).all()):
+            return without_unscorable(run, token_level_rewards, response_mask, group_index, config, values,
+                                      baseline_rewards, torch.as_tensor(scorable, dtype=torch.bool))
         advantages, returns = estimator(
             token_level_rewards,
             response_mask,
@@ -152,6 +165,33 @@ def _with_common_postprocessing(estimator: AdvantageEstimator, needs: EstimatorN
     run.__doc__ = estimator.__doc__
     run.needs = needs
     return run
+
+
+def without_unscorable(run, token_level_rewards, response_mask, group_index, config, values, baseline_rewards,
+                       scorable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run` (a registered estimator) on the scorable rows only; the unscorable rows get advantage 0 and, as
+    returns, their values (a critic is not pulled anywhere by a row nobody scored) or 0.
+
+        keep = scorable;  A[keep], G[keep] = estimator(R[keep], m[keep], groups[keep], ...);  A[~keep] = 0
+
+    A group left with one scorable sample has no baseline: its advantage is 0, as any group of one."""
+    if scorable.shape != (token_level_rewards.shape[0],):
+        raise ValueError(f"scorable has shape {tuple(scorable.shape)}; the batch has {token_level_rewards.shape[0]} rows")
+    keep = torch.nonzero(scorable, as_tuple=True)[0]
+    advantages = torch.zeros_like(token_level_rewards)
+    returns = torch.zeros_like(token_level_rewards) if values is None else (
+        values.to(token_level_rewards.dtype) * response_mask.to(token_level_rewards.dtype))
+    if keep.numel() == 0:
+        return advantages, returns
+    rows = keep.cpu().numpy()
+    kept_advantages, kept_returns = run(
+        token_level_rewards[keep], response_mask[keep],
+        None if group_index is None else np.asarray(group_index, dtype=object)[rows], config=config,
+        values=None if values is None else values[keep],
+        baseline_rewards=None if baseline_rewards is None else baseline_rewards.reshape(-1)[keep])
+    advantages[keep] = kept_advantages.to(advantages.dtype)
+    returns[keep] = kept_returns.to(returns.dtype)
+    return advantages, returns
 
 
 # ----------------------------------------------------------------------------------------------

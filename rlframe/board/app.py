@@ -20,7 +20,8 @@ from rlframe.board.settings import list_settings, load_settings, save_settings
 
 # TrainForm fields in the order the page passes them to the handlers.
 FORM_FIELDS = ["stage", "recipe", "model_source", "model_path", "data_source", "train_files", "val_files",
-               "prompt_key", "answer_key", "image_key", "reward_path", "reward_name", *forms.MAIN_KEYS, "extra_yaml"]
+               "prompt_key", "answer_key", "image_key", "reward_path", "reward_name", "judge_url", "judge_model",
+               *forms.MAIN_KEYS, "extra_yaml"]
 PLOT_HEIGHT = 240
 CSS = ("#plan textarea, #command textarea, #log textarea, #yaml textarea {font-family: monospace; font-size: 12px}\n"
        # gradio draws a plot's legend (the series' names) below its axes, outside the svg's box, which clips it
@@ -69,7 +70,8 @@ def form_of(values) -> forms.TrainForm:
     data["reward_path"] = "" if data["reward_path"] in (None, RECIPE_REWARD) else data["reward_path"]
     for key in forms.MAIN_KEYS:
         data[key] = typed(data[key])
-    for key in ("prompt_key", "answer_key", "image_key", "model_path", "reward_name", "extra_yaml"):
+    for key in ("prompt_key", "answer_key", "image_key", "model_path", "reward_name", "judge_url", "judge_model",
+                "extra_yaml"):
         data[key] = data[key] or ""
     return forms.TrainForm.from_dict(data)
 
@@ -126,6 +128,11 @@ def train_tab(board: Board, L: Labels) -> dict:
             c["reward_name"] = L.track(gr.Textbox(value="compute_score", label=L("reward_name"), elem_id="reward_name"),
                                        "reward_name")
             c["reward_upload"] = L.track(gr.File(label=L("reward_upload"), elem_id="reward_upload"), "reward_upload")
+        with gr.Row():  # an LLM judge in the loop (docs/judge.md); its rubric or verdict pattern: the YAML
+            c["judge_url"] = L.track(gr.Textbox(label=L("judge_url"), elem_id="judge_url", placeholder="http://host:8000/v1",
+                                                info=key_help("reward.judge.url")), "judge_url")
+            c["judge_model"] = L.track(gr.Textbox(label=L("judge_model"), elem_id="judge_model",
+                                                  info=key_help("reward.judge.model")), "judge_model")
         c["reward_message"] = gr.Textbox(show_label=False, elem_id="reward_message", interactive=False)
         c["try_button"] = L.track(gr.Button(L("try_reward"), elem_id="try_reward"), "try_reward", "value")
         c["try_table"] = L.track(gr.Dataframe(label=L("try_table"), interactive=False, elem_id="try_table"), "try_table")

@@ -56,6 +56,8 @@ class TrainForm:
     image_key: str = ""
     reward_path: str = ""  # reward_fns/math.py or an uploaded file in the workspace; "" = the recipe's
     reward_name: str = ""
+    judge_url: str = ""  # reward.judge.url: an LLM judge's OpenAI-compatible endpoint (docs/judge.md); "" = the recipe's
+    judge_model: str = ""  # reward.judge.model: the judge's served name; "" = the recipe's
     total_steps: int | None = None
     lr: float | None = None
     train_batch_size: int | None = None
@@ -126,6 +128,7 @@ def owned_keys(form: TrainForm) -> set[str]:
     keys |= {f"data.{k}" for k in ("prompt_key", "answer_key", "image_key") if getattr(form, k)}
     if form.reward_path:
         keys.add("reward.functions")
+    keys |= {f"reward.judge.{k}" for k in ("url", "model") if getattr(form, f"judge_{k}").strip()}
     return keys
 
 
@@ -144,6 +147,9 @@ def form_overrides(form: TrainForm) -> list[str]:
             args.append(override(f"data.{key}", getattr(form, key)))
     if form.reward_path:
         args.append(reward_override(form.reward_path, form.reward_name))
+    for key in ("url", "model"):  # an LLM judge in the loop (a rubric, pattern, ... in the YAML)
+        if getattr(form, f"judge_{key}").strip():
+            args.append(override(f"reward.judge.{key}", getattr(form, f"judge_{key}").strip()))
     for name, key in MAIN_KEYS.items():
         value = getattr(form, name)
         if value not in (None, ""):

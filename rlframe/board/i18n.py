@@ -21,6 +21,8 @@ TEXT: dict[str, tuple[str, str]] = {
     "reward_name": ("Function name", "函数名"), "reward_upload": ("Upload a reward .py", "上传奖励函数 .py"),
     "try_reward": ("Try it: score the data's own answers and wrong ones", "试一试：给数据自带答案和错误答案打分"),
     "try_table": ("Scores", "得分"),
+    "judge_url": ("LLM judge URL (OpenAI-compatible; optional)", "LLM 评审 URL（OpenAI 兼容，可选）"),
+    "judge_model": ("Judge model (served name)", "评审模型（服务名称）"),
     "settings_main": ("Main settings", "常用参数"),
     "total_steps": ("Training steps", "训练步数"), "lr": ("Learning rate", "学习率"),
     "train_batch_size": ("Prompts per step", "每步提示词数"), "rollout_n": ("Samples per prompt", "每个提示词采样数"),

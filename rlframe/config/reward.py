@@ -26,17 +26,37 @@ class RewardFunctionConfig:
 
 
 @dataclass
+class JudgeCriterion:
+    """One weighted criterion of a judge's rubric (reward.judge.criteria)."""
+
+    name: str = ""  # what the judge writes before its rating: '<name>: <1-10>' (a word or two)
+    description: str = ""  # what the criterion asks, shown to the judge
+    weight: float = bounded(1.0, "> 0")  # its share of the one score: sum_c w_c (n_c - 1) / 9 / sum_c w_c
+
+
+@dataclass
 class JudgeConfig:
-    """An LLM judge (rlframe/reward/judge.py) grading each response against a rubric; its score, times
-    weight, is added to the rule rewards. Off while both model and url are empty. Wired in stage=rft."""
+    """An LLM judge (rlframe/reward/judge.py) grading each response; its score, times weight, is added to the
+    rule rewards (reward.functions=[]: the judge's score alone). Off while both model and url are empty.
+    Wired in stage=rl (every estimator: GRPO, PPO, RLOO, ...) and stage=rft. A reply without a usable verdict
+    is unscorable: in RL left out of its group's baseline with advantage 0 (reward/judge_unscorable_rate)."""
 
     model: str = ""  # the judge's model (embedded name / HF folder) on its own engine; with url: the served model name
     url: str = ""  # an OpenAI-compatible endpoint (http://host:port/v1) instead of a local engine
     rubric: str = ""  # "" -> rlframe.reward.judge.DEFAULT_RUBRIC
-    template: str = ""  # fields {rubric} {prompt} {response} {ground_truth}; "" -> DEFAULT_TEMPLATE (a 1-10 score)
+    # a rubric of weighted criteria, each rated 1-10 on its own line '<name>: <n>' and combined into one score
+    # (weighted mean of (n - 1) / 9); a reply missing one is unscorable. []: no criteria
+    criteria: list[JudgeCriterion] = field(default_factory=list)
+    # a free-form verdict: a regular expression whose first group (or whole match; the last match counts) is
+    # looked up in `verdicts`, or read as a number without them; no match: unscorable. "": not this mode
+    pattern: str = ""
+    verdicts: dict[str, float] = field(default_factory=dict)  # with pattern: verdict text -> score, e.g. {correct: 1}
+    # fields {rubric} {criteria} {prompt} {response} {ground_truth}; "" -> the mode's default (rubric, verdict, 1-10)
+    template: str = ""
     parser: str = ""  # "file.py:function" (judge text -> float | None); "" -> parse_score_1_to_10 ((n - 1) / 9)
     weight: float = 1.0  # the judge's score is multiplied by this and added to the rule rewards
-    fallback_score: float = 0.0  # the score of a judge reply that does not parse (counted)
+    # stage=rft only: the score of a reply without a usable verdict (RL never makes one up: unscorable)
+    fallback_score: float = 0.0
     max_new_tokens: int = 16  # tokens the judge may write per verdict
     max_model_len: int = 1024  # the local judge engine's context (prompt + verdict) in tokens
     engine: str = "auto"  # the local judge's engine: auto (vLLM on GPU, HF generate on CPU) | vllm | hf
@@ -47,6 +67,7 @@ class JudgeConfig:
     # backoff from 0.5 s), and the requests in flight at once (rlframe/reward/judge.py)
     max_retries: int = bounded(3, ">= 0")  # with url: retries of a failed request
     max_concurrency: int = bounded(8, ">= 1")  # with url: requests in flight at once
+    max_rpm: float = bounded(0.0, ">= 0", "0: no limit")  # with url: requests started per minute, evenly spaced
 
 
 @dataclass
@@ -78,7 +99,7 @@ class RewardConfig:
     # import that ends its process (os._exit) or does not finish within this many seconds is an error
     # naming reward.functions[i], instead of a driver that exits silently or hangs.
     import_timeout_s: float = bounded(60.0, "> 0")
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge's reward (stage=rft)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge's reward (stage=rl and stage=rft)
     # What a reward worker process prints (stdout + stderr) reaches the driver's log up to this many bytes
     # per batch; the rest is dropped, with one line saying so.
     max_output_bytes: int = bounded(65536, ">= 0")
@@ -162,9 +183,10 @@ def sandbox_isolates(cfg, need) -> None:
 
 
 def reward_comes_from_elsewhere(cfg) -> bool:
-    """No reward function is needed when a multi-turn environment or a reward model gives the reward."""
+    """No reward function is needed when a multi-turn environment, a reward model or an LLM judge gives the reward."""
     mt = cfg.rollout.multi_turn
-    return bool(mt.enable and mt.environment.path) or bool(cfg.reward_model.enable)
+    judge = cfg.reward.judge
+    return bool(mt.enable and mt.environment.path) or bool(cfg.reward_model.enable) or bool(judge.model or judge.url)
 
 
 def reward_model_resolves(cfg, need) -> None:
@@ -173,8 +195,14 @@ def reward_model_resolves(cfg, need) -> None:
          f"'{rm.path}' is not a model folder or hub id. Fix: reward_model.path=/path/to/rm")
 
 
+JUDGE_STAGES = ("rl", "rft")  # the stages that score samples with reward.judge
+
+
 def judge_valid(cfg, need) -> None:
-    """reward.judge: a model or a URL, a template the judge can be asked with, a parser that loads; run where wired."""
+    """reward.judge: a model or a URL, a template the judge can be asked with, a parser / rubric / verdict
+    pattern that works; in a stage that uses it (rl, rft)."""
+    import re
+
     judge = cfg.reward.judge
     if not (judge.model or judge.url):
         return
@@ -185,18 +213,39 @@ def judge_valid(cfg, need) -> None:
     need(judge.url or resolvable(judge.model), "reward.judge.model",
          f"'{judge.model}' is neither a folder, an embedded model nor a hub id. Fix: reward.judge.model=smollm2-135m-instruct "
          "(or reward.judge.url=http://host:port/v1)")
+    need(not judge.url or judge.url.startswith(("http://", "https://")), "reward.judge.url",
+         f"'{judge.url}' is not an http(s) URL. Fix: reward.judge.url=http://host:port/v1")
     problem = template_problem(judge.template) if judge.template else None
     need(problem is None, "reward.judge.template", f"{problem}. Fix: e.g. 'Rate {{response}} for {{prompt}}: Score: <1-10>'")
-    try:
-        load_parser(judge.parser)
-    except Exception as error:
-        need(False, "reward.judge.parser", f"{error}")
+    modes = [name for name, on in (("criteria", bool(judge.criteria)), ("pattern", bool(judge.pattern)),
+                                   ("parser", bool(judge.parser))) if on]
+    need(len(modes) <= 1, "reward.judge", f"{' and '.join(modes)} are both set: the reply is read one way. "
+         "Fix: keep one of reward.judge.criteria / pattern / parser")
+    for i, criterion in enumerate(judge.criteria):
+        need(bool(criterion.name.strip()), f"reward.judge.criteria[{i}].name",
+             "a criterion needs a name (the judge writes '<name>: <1-10>'). Fix: {name: correctness, description: ...}")
+        need(criterion.weight > 0, f"reward.judge.criteria[{i}].weight", f"{criterion.weight} is not > 0")
+    names = [c.name.strip().lower() for c in judge.criteria]
+    need(len(set(names)) == len(names), "reward.judge.criteria", f"two criteria share a name: {names}")
+    if judge.pattern:
+        try:
+            re.compile(judge.pattern)
+        except re.error as error:
+            need(False, "reward.judge.pattern", f"'{judge.pattern}' is not a regular expression ({error}). "
+                 "Fix: e.g. 'Verdict:\\s*(correct|incorrect)'")
+    need(not judge.verdicts or bool(judge.pattern), "reward.judge.verdicts",
+         "verdicts are read through reward.judge.pattern, which is empty. Fix: reward.judge.pattern='Verdict:\\s*(\\w+)'")
+    if judge.parser:
+        try:
+            load_parser(judge.parser)
+        except Exception as error:
+            need(False, "reward.judge.parser", f"{error}")
     need(judge.engine in ("auto", "vllm", "hf"), "reward.judge.engine", f"'{judge.engine}' is not auto, vllm or hf")
     need(judge.max_new_tokens >= 1 and judge.batch_size >= 1, "reward.judge.max_new_tokens",
          "reward.judge.max_new_tokens and batch_size must be >= 1")
-    need(cfg.stage == "rft", "reward.judge",
-         f"the judge reward is wired into stage=rft (rlframe/stages/rft.py); stage={cfg.stage} would ignore it. "
-         "Fix: stage=rft, or remove reward.judge")
+    need(cfg.stage in JUDGE_STAGES, "reward.judge",
+         f"the judge reward scores samples in stage=rl and stage=rft; stage={cfg.stage} would ignore it. "
+         "Fix: remove reward.judge")
 
 
 CHECKS = (reward_model_resolves, reward_functions_load, judge_valid, sandbox_isolates)

@@ -51,6 +51,9 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
     val_before_train: bool = True  # validate once before the first step (step 0 of metrics.jsonl)
     val_at_end: bool = True  # validate after the last step (summary.json's val_after)
+    # stage=rl: write every trained sample (step, uid, response, score, scorable, advantage) to
+    # <run_dir>/rollouts.jsonl after the advantage (verl's rollout_data_dir); false: nothing written
+    dump_rollouts: bool = False
     # Reorder each batch so every data-parallel rank gets a near-equal number of tokens (a greedy
     # equal-count partition; the spread is at most one sequence's length) before it is split.
     balance_batch: bool = True

@@ -47,6 +47,7 @@ class EvalOptions:
     check_instruction: str = CHECK_INSTRUCTION
     extractor: Callable[[str], str | None] | None = None
     resamples: int = BOOTSTRAP_RESAMPLES
+    judge: bool = False  # grade every response with cfg.reward.judge too (judge_score_mean, judge_unscorable_rate)
 
     def __post_init__(self):
         self.ks = list(self.ks or [self.n])
@@ -63,6 +64,8 @@ class Samples:
     accuracy: np.ndarray
     answers: list
     lengths: np.ndarray
+    judge_scores: np.ndarray | None = None  # the LLM judge's score of each response (NaN: unscorable); None: no judge
+    judge_replies: list[str] | None = None
 
 
 @dataclass
@@ -89,6 +92,8 @@ class EvalInputError(ValueError):
 
 
 class Evaluator:
+    judge = None  # a JudgeReward with options.judge
+
     def __init__(self, cfg, model_path: str, files: list[str], options: EvalOptions):
         from transformers import AutoTokenizer
 
@@ -122,6 +127,10 @@ class Evaluator:
             self.compiled = compile_constraint(options.constraint, tok, max(vocab, len(tok)))
         self.engine, self.engine_name = build_engine(settings)
         self.scorer = Scorer(cfg, tok, PhaseClock())  # the trainer's decoding and scoring
+        if options.judge:  # the URL judge (rlframe/eval.py configure_judge), as training asks it
+            from rlframe.reward.judge import build_judge
+
+            self.judge = build_judge(cfg, None)
 
     def load_model(self, model_path: str) -> int:
         """Stream `model_path`'s weights into the one engine (same engine, same settings); tensors loaded."""
@@ -164,10 +173,20 @@ class Evaluator:
         texts = self.scorer.decode(batch)
         result, _, _ = self.scorer.rule_and_model_scores(batch, texts)
         truths = [str(t) for t in batch.non_tensor_batch["ground_truth"]]
+        judged = None
+        if self.judge is not None:
+            from rlframe.reward.judge import prompt_text
+            from rlframe.trainer.scorer import chat_unwrapper
+
+            unwrap = chat_unwrapper(self.tokenizer)
+            judged = self.judge.score([unwrap(prompt_text(p)) for p in raw_prompts], texts,
+                                      list(batch.non_tensor_batch["ground_truth"]))
         return Samples(raw_prompts=list(raw_prompts), truths=truths, texts=texts, scores=np.asarray(result.scores, dtype=float),
                        accuracy=validation_accuracy(result).astype(float),
                        answers=extracted_answers(texts, result.extras, self.options.extractor),
-                       lengths=batch.batch["response_mask"].sum(-1).numpy().astype(float))
+                       lengths=batch.batch["response_mask"].sum(-1).numpy().astype(float),
+                       judge_scores=None if judged is None else judged.scores, judge_replies=None if judged is None
+                       else judged.outputs)
 
     def method_samples(self, method: str, seed: int, plain: Samples | None) -> Samples:
         """The samples a method is judged on (self_consistency votes on plain's; self_check revises them)."""
@@ -209,6 +228,8 @@ class Evaluator:
                 seeds=seeds, samples=per_seed[0][1])
             if method == "self_check":
                 result.extra.update(revision_flips(runs["plain"][0][1].accuracy, per_seed[0][1].accuracy))
+            if self.judge is not None and method != "self_consistency":
+                result.extra.update(judge_extras([samples for _, samples in per_seed]))
             results[method] = result
         return results
 
@@ -223,6 +244,16 @@ class Evaluator:
 
     def close(self) -> None:
         self.scorer.close()
+        if self.judge is not None:
+            self.judge.close()
+
+
+def judge_extras(passes: list[Samples]) -> dict[str, float]:
+    """The judge's mean score over the scorable responses of every seed's pass, and the unscorable share."""
+    scores = np.concatenate([samples.judge_scores for samples in passes])
+    scorable = ~np.isnan(scores)
+    return {"judge_score_mean": float(scores[scorable].mean()) if scorable.any() else float("nan"),
+            "judge_unscorable_rate": float(1.0 - scorable.mean()) if len(scores) else 0.0}
 
 
 def check_options(options: EvalOptions, temperature: float) -> None:

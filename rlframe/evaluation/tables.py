@@ -78,12 +78,14 @@ def method_table(results: dict, ks: list[int], prompts: int, n: int, seed: int =
         if repeats:
             cells.append(f"{result.spread(result.headline).std:.4f}")
         lines.append("| " + " | ".join(cells) + " |")
-    extras = "; ".join(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.extra.items())
-                       for name, r in results.items() if r.extra)
+    extras = "; ".join(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.extra.items() if not k.startswith("judge_"))
+                       for name, r in results.items() if any(not k.startswith("judge_") for k in r.extra))
+    judged = "; ".join(f"{name}: judge score {r.extra['judge_score_mean']:.3f}, unscorable "
+                       f"{r.extra['judge_unscorable_rate']:.3f}" for name, r in results.items() if "judge_score_mean" in r.extra)
     lines.append("")
     lines.append(f"{prompts} prompts x {n} samples; seeds {', '.join(str(s) for s in plain.seeds)}; intervals: "
                  f"percentile bootstrap over prompts ({resamples} resamples, seed {seed})"
-                 + (f"; self-check revisions {extras}" if extras else ""))
+                 + (f"; self-check revisions {extras}" if extras else "") + (f"; LLM judge {judged}" if judged else ""))
     return lines
 
 
@@ -144,4 +146,7 @@ def write_samples(path: Path, results: dict, n: int, fields: dict | None = None,
                        "acc": float(samples.accuracy[i]), "answer": samples.answers[i]}
                 if name in ("cot", "self_check"):
                     row["prompt"] = samples.raw_prompts[i]
+                if samples.judge_scores is not None:  # judge=: the judge's reply, its score (null: unscorable)
+                    value = float(samples.judge_scores[i])
+                    row["judge"], row["judge_score"] = samples.judge_replies[i], None if value != value else value
                 f.write(json.dumps(row) + "\n")

@@ -1,23 +1,33 @@
-"""LLM-as-judge rewards (RLAIF): a generative model grades each response against a rubric.
+"""LLM-as-judge rewards (RLAIF): a generative model grades each response, in stage=rl (GRPO, PPO, ...) and stage=rft.
 
     judge  = build_judge(cfg, run_dir)         # reward.judge: its own engine (a Ray actor) or an OpenAI-compatible URL
-    result = judge.score(prompts, responses, ground_truths)
-    score  = rule rewards + reward.judge.weight * result.scores
+    result = judge.score(prompts, responses, ground_truths, rows={"step": [...], "uid": [...]})
+    score  = rule rewards + reward.judge.weight * result.scores        (where result.scorable)
 
-The judge's prompt is `reward.judge.template` (the user's, or DEFAULT_TEMPLATE) with {rubric}, {prompt},
-{response} and {ground_truth} filled in; the judge answers greedily in at most max_new_tokens tokens; the
-score parser (`reward.judge.parser`, "file.py:function" taking the judge's text and returning a float or
-None, or the default `parse_score_1_to_10`: "Score: 7" -> (7 - 1) / 9) turns it into a reward. A reply
-that does not parse scores reward.judge.fallback_score and is counted: reward/judge_parse_failure_rate.
-Every judge output goes to <run_dir>/judge_outputs.jsonl (prompt, response, judge text, parsed score).
+What the judge is asked and how its reply becomes one score (the first that applies):
+- a rubric (`reward.judge.criteria`: [{name, description, weight}]): the judge rates every criterion 1-10, one
+  line "<name>: <n>" each; score = sum_c w_c (n_c - 1) / 9 / sum_c w_c. A reply missing a criterion is unscorable.
+- a free-form verdict (`reward.judge.pattern`, a regular expression): its first group (or the whole match) is
+  looked up in `reward.judge.verdicts` ({"correct": 1, "incorrect": 0}), or read as a number when there is no
+  table. No match, or a verdict the table lacks: unscorable.
+- the user's parser (`reward.judge.parser`, "file.py:function": text -> float | None).
+- the default: "Score: 7" (or the first bare number) in [1, 10] -> (7 - 1) / 9.
+The prompt is `reward.judge.template` (or the mode's default) with {rubric}, {criteria}, {prompt}, {response} and
+{ground_truth} filled in; the judge answers greedily in at most max_new_tokens tokens.
+
+Unscorable: a reply that does not parse, or a request that failed after its retries, has NO score
+(`JudgeResult.scorable` False; reward/judge_unscorable_rate counts them). In RL the sample is left out of its
+group's baseline and gets advantage 0 (rlframe/algos/advantages.py: scorable); no score is made up. stage=rft,
+which ranks samples, gives it reward.judge.fallback_score. Every judge output goes to <run_dir>/judge_outputs.jsonl
+(step, uid, prompt, response, the judge's text, the parsed score or null, scorable, why not).
 
 The URL backend (`HTTPJudge`) is a client of someone else's server, so it bounds what it asks and what it
-takes, as OpenAI's own client does: at most reward.judge.max_concurrency requests in flight; each with
-reward.judge.timeout_s; a connection error, a timeout, 408 / 409 / 429 or a 5xx retried up to
-reward.judge.max_retries times with exponential backoff and jitter (0.5 s, 1 s, 2 s, ... capped at 8 s; a
-429's Retry-After up to 60 s); a reply over 1 MiB, or without choices[0].message.content, is a failed request.
-A request that still fails scores fallback_score and is counted (reward/judge_request_failure_rate); a batch
-whose every request failed, or a reply the retries cannot change (401, 403, 404, 400: a wrong key, URL or
+takes, as OpenAI's own client does: at most reward.judge.max_concurrency requests in flight, and at most
+reward.judge.max_rpm started per minute (evenly spaced; 0: no limit); each with reward.judge.timeout_s; a
+connection error, a timeout, 408 / 409 / 429 or a 5xx retried up to reward.judge.max_retries times with
+exponential backoff and jitter (0.5 s, 1 s, 2 s, ... capped at 8 s; a 429's Retry-After up to 60 s); a reply over
+1 MiB, or without choices[0].message.content, is a failed request (counted: reward/judge_request_failure_rate).
+A batch whose every request failed, or a reply the retries cannot change (401, 403, 404, 400: a wrong key, URL or
 model name), stops the run with a JudgeError naming reward.judge.url and the fix.
 """
 
@@ -27,6 +37,7 @@ import http.client
 import json
 import random
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,11 +48,18 @@ from typing import Callable
 
 import numpy as np
 
+from rlframe.reward.manager import RewardError
+
 DEFAULT_RUBRIC = ("Is the response a correct, complete answer to the problem, with the final answer given "
                   "in \\boxed{}? 10: correct and well explained; 1: wrong or no answer.")
 DEFAULT_TEMPLATE = ("You are grading a response to a problem.\nRubric: {rubric}\n\nProblem: {prompt}\n\n"
                     "Response: {response}\n\nGive a score from 1 to 10. Answer with 'Score: <number>' only.")
-FIELDS = ("rubric", "prompt", "response", "ground_truth")
+RUBRIC_TEMPLATE = ("You are grading a response to a problem against these criteria:\n{criteria}\n\nProblem: {prompt}\n\n"
+                   "Response: {response}\n\nRate each criterion from 1 to 10. Answer with one line per criterion, "
+                   "'<criterion>: <number>', and nothing else.")
+VERDICT_TEMPLATE = ("You are grading a response to a problem.\nRubric: {rubric}\n\nProblem: {prompt}\n\n"
+                    "Response: {response}\n\nEnd your answer with 'Verdict: <{verdicts}>'.")
+FIELDS = ("rubric", "criteria", "prompt", "response", "ground_truth")
 _SCORE = re.compile(r"score\s*[:=]?\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
 _NUMBER = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)(?![\d.])")
 
@@ -55,6 +73,47 @@ def parse_score_1_to_10(text: str) -> float | None:
     return (value - 1.0) / 9.0 if 1.0 <= value <= 10.0 else None
 
 
+def rubric_parser(criteria) -> Callable[[str], float | None]:
+    """Weighted criteria -> one score: lines '<name>: <n>' (n in 1..10) for every criterion, combined as
+    sum_c w_c (n_c - 1) / 9 / sum_c w_c; None when a criterion is missing or out of range."""
+    names = [c.name for c in criteria]
+    weights = np.array([float(c.weight) for c in criteria])
+    lines = [re.compile(rf"{re.escape(name)}\W*?[:=]\s*(\d+(?:\.\d+)?)", re.IGNORECASE) for name in names]
+
+    def parse(text: str) -> float | None:
+        ratings = []
+        for line in lines:
+            match = line.search(text)
+            if match is None or not 1.0 <= float(match.group(1)) <= 10.0:
+                return None
+            ratings.append((float(match.group(1)) - 1.0) / 9.0)
+        return float(np.dot(weights, ratings) / weights.sum())
+
+    return parse
+
+
+def pattern_parser(pattern: str, verdicts: dict[str, float]) -> Callable[[str], float | None]:
+    """A free-form verdict: the last match of `pattern` (its first group, or the whole match), looked up
+    case-insensitively in `verdicts` (or read as a number without a table); None when it is not there."""
+    regex = re.compile(pattern, re.IGNORECASE | re.DOTALL)
+    table = {str(k).strip().lower(): float(v) for k, v in verdicts.items()}
+
+    def parse(text: str) -> float | None:
+        matches = list(regex.finditer(text))
+        if not matches:
+            return None
+        last = matches[-1]
+        found = (last.group(1) if regex.groups else last.group(0)).strip()
+        if table:
+            return table.get(found.lower())
+        try:
+            return float(found)
+        except ValueError:
+            return None
+
+    return parse
+
+
 def template_problem(template: str) -> str | None:
     """Why `template` cannot be filled (unknown or missing fields), or None."""
     try:
@@ -64,6 +123,31 @@ def template_problem(template: str) -> str | None:
     if "{response}" not in template:
         return "the template has no {response} field: the judge would never see what it grades"
     return None
+
+
+def judge_parser(judge_cfg) -> Callable[[str], float | None]:
+    """The reply -> score function reward.judge asks for (the module docstring's order)."""
+    if judge_cfg.criteria:
+        return rubric_parser(judge_cfg.criteria)
+    if judge_cfg.pattern:
+        return pattern_parser(judge_cfg.pattern, dict(judge_cfg.verdicts or {}))
+    return load_parser(judge_cfg.parser)
+
+
+def judge_template(judge_cfg) -> str:
+    """reward.judge.template, or the default of its mode (rubric, verdict, 1-10 score)."""
+    if judge_cfg.template:
+        return judge_cfg.template
+    if judge_cfg.criteria:
+        return RUBRIC_TEMPLATE
+    if judge_cfg.pattern:
+        return VERDICT_TEMPLATE.replace("{verdicts}", " | ".join(map(str, judge_cfg.verdicts or {})) or "verdict")
+    return DEFAULT_TEMPLATE
+
+
+def criteria_text(criteria) -> str:
+    """The {criteria} field: one line per criterion with its weight."""
+    return "\n".join(f"- {c.name} (weight {c.weight:g}): {c.description}" for c in criteria)
 
 
 def load_parser(spec: str) -> Callable[[str], float | None]:
@@ -89,21 +173,29 @@ def prompt_text(raw_prompt) -> str:
 
 @dataclass
 class JudgeResult:
-    scores: np.ndarray  # [B] parsed scores, fallback_score where the judge's reply did not parse
-    parsed: np.ndarray  # [B] bool
+    scores: np.ndarray  # [B] parsed scores; NaN where unscorable (stage=rft: fallback_score there)
+    parsed: np.ndarray  # [B] bool: the reply parsed
     outputs: list[str]  # the judge's replies ("" where a request failed)
     failed: np.ndarray | None = None  # [B] bool: the request failed (URL backend), None: a backend without requests
+
+    @property
+    def scorable(self) -> np.ndarray:
+        """[B] bool: the judge gave a usable verdict (its reply parsed; a request that failed never did)."""
+        return self.parsed.copy()
 
     def metrics(self) -> dict[str, float]:
         ok = self.parsed
         metrics = {"reward/judge_parse_failure_rate": float(1.0 - ok.mean()) if len(ok) else 0.0,
+                   "reward/judge_unscorable_rate": float(1.0 - ok.mean()) if len(ok) else 0.0,
                    "reward/judge_score_mean": float(self.scores[ok].mean()) if ok.any() else 0.0}
         if self.failed is not None:
             metrics["reward/judge_request_failure_rate"] = float(self.failed.mean()) if len(self.failed) else 0.0
+            unparsed = ~ok & ~self.failed  # answered, but not in a form the parser reads
+            metrics["reward/judge_parse_failure_rate"] = float(unparsed.mean()) if len(ok) else 0.0
         return metrics
 
 
-class JudgeError(RuntimeError):
+class JudgeError(RewardError):
     """The judge cannot be asked (its URL refuses the requests, or none got an answer); the message says what to fix."""
 
 
@@ -120,8 +212,10 @@ class HTTPJudge:
     reports_request_failures = True
 
     def __init__(self, url: str, model: str, max_new_tokens: int, api_key: str = "", timeout_s: float = 60.0,
-                 max_retries: int = 3, max_concurrency: int = 8, backoff_s: float = 0.5):
+                 max_retries: int = 3, max_concurrency: int = 8, backoff_s: float = 0.5, max_rpm: float = 0.0):
         self.base_url = url.rstrip("/")
+        self.interval_s = 60.0 / max_rpm if max_rpm > 0 else 0.0  # max_rpm: requests started at least this far apart
+        self.next_start, self.pace_lock = 0.0, threading.Lock()
         self.url, self.model, self.max_new_tokens = self.base_url + "/chat/completions", model, max_new_tokens
         self.api_key, self.timeout_s = api_key, timeout_s
         self.max_retries, self.max_concurrency, self.backoff_s = max_retries, max(1, max_concurrency), backoff_s
@@ -140,6 +234,24 @@ class HTTPJudge:
                              "reward.judge.timeout_s / max_retries)")
         return replies
 
+    def probe(self) -> str | None:
+        """Before any worker starts: GET <url>/models answers (any server that speaks the API lists its models
+        there). Why the judge cannot be reached, or None; a server without that endpoint (404 / 405 / 501) passes."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.base_url + "/models", headers=headers),
+                                        timeout=min(self.timeout_s, 10.0)) as reply:
+                reply.read(MAX_REPLY_BYTES)
+        except urllib.error.HTTPError as error:
+            if error.code in (401, 403):
+                return refused(self.base_url, error.code, self.model)
+            return None
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            return (f"reward.judge.url {self.base_url}: the judge's server does not answer ({type(error).__name__}: "
+                    f"{error}). Fix: start it first (e.g. `vllm serve <model> --served-model-name "
+                    f"{self.model} --port <port>`), or point reward.judge.url at a running OpenAI-compatible API")
+        return None
+
     def ask(self, prompt: str) -> str | None:
         """One prompt's reply, retried as the module docstring says; None when every attempt failed."""
         body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": prompt}],
@@ -147,6 +259,7 @@ class HTTPJudge:
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         for attempt in range(self.max_retries + 1):
             wait = min(self.backoff_s * 2 ** attempt, MAX_BACKOFF_S) * random.uniform(0.75, 1.0)
+            self.pace()
             try:
                 with urllib.request.urlopen(urllib.request.Request(self.url, data=body, headers=headers),
                                             timeout=self.timeout_s) as reply:
@@ -163,6 +276,19 @@ class HTTPJudge:
                 return None
             time.sleep(min(wait, MAX_RETRY_AFTER_S))
         return None
+
+
+    def pace(self) -> None:
+        """reward.judge.max_rpm: block until this request's slot (slots evenly spaced, shared by the threads;
+        a retry takes a slot too)."""
+        if not self.interval_s:
+            return
+        with self.pace_lock:
+            now = time.monotonic()
+            start = max(now, self.next_start)
+            self.next_start = start + self.interval_s
+        if start > now:
+            time.sleep(start - now)
 
 
 def reply_content(raw: bytes) -> str:
@@ -234,39 +360,61 @@ class EngineJudge:
 
 
 class JudgeReward:
-    """Fill the template, ask the backend, parse, log (see the module docstring)."""
+    """Fill the template, ask the backend, parse, log (see the module docstring). `unscorable_score`: the score
+    of a sample without a verdict (NaN, which RL leaves out of the baseline; stage=rft: reward.judge.fallback_score)."""
 
-    def __init__(self, judge_cfg, backend, log_file: Path | None):
+    def __init__(self, judge_cfg, backend, log_file: Path | None, unscorable_score: float = float("nan")):
         self.cfg, self.backend, self.log_file = judge_cfg, backend, log_file
-        self.parse = load_parser(judge_cfg.parser)
-        self.template = judge_cfg.template or DEFAULT_TEMPLATE
+        self.parse = judge_parser(judge_cfg)
+        self.template = judge_template(judge_cfg)
+        self.unscorable_score = unscorable_score
+        self.calls = 0  # judge prompts sent so far
 
-    def score(self, prompts: list[str], responses: list[str], ground_truths: list) -> JudgeResult:
-        filled = [self.template.format(rubric=self.cfg.rubric or DEFAULT_RUBRIC, prompt=p, response=r,
-                                       ground_truth=g) for p, r, g in zip(prompts, responses, ground_truths)]
+    def score(self, prompts: list[str], responses: list[str], ground_truths: list,
+              rows: dict[str, list] | None = None) -> JudgeResult:
+        """`rows`: per-sample columns written beside each judge output (step, uid)."""
+        criteria = criteria_text(self.cfg.criteria) if self.cfg.criteria else ""
+        filled = [self.template.format(rubric=self.cfg.rubric or DEFAULT_RUBRIC, criteria=criteria, prompt=p,
+                                       response=r, ground_truth=g) for p, r, g in zip(prompts, responses, ground_truths)]
         replies = []
         for first in range(0, len(filled), self.cfg.batch_size):
             replies += self.backend.generate(filled[first:first + self.cfg.batch_size])
+        self.calls += len(filled)
         failed = np.array([reply is None for reply in replies], dtype=bool)  # a URL request that got no answer
         outputs = ["" if reply is None else reply for reply in replies]
-        values = []
+        values, why = [], []
         for text, no_answer in zip(outputs, failed):
-            try:
-                values.append(None if no_answer else self.parse(text))
-            except Exception:  # a user parser that raises counts as a parse failure
-                values.append(None)
+            value, reason = None, "the request failed after its retries" if no_answer else ""
+            if not no_answer:
+                try:
+                    value = self.parse(text)
+                    reason = "" if value is not None else "the reply does not parse"
+                except Exception as error:  # a user parser that raises counts as a parse failure
+                    reason = f"the parser raised {type(error).__name__}: {error}"
+                if value is not None and not np.isfinite(float(value)):
+                    value, reason = None, f"the parser returned {value}"
+            values.append(None if value is None else float(value))
+            why.append(reason)
         parsed = np.array([v is not None for v in values], dtype=bool)
-        scores = np.array([float(v) if v is not None else self.cfg.fallback_score for v in values], dtype=np.float64)
+        scores = np.array([v if v is not None else self.unscorable_score for v in values], dtype=np.float64)
         if self.log_file is not None:
+            columns = rows or {}
             with open(self.log_file, "a") as f:
-                for p, r, o, v in zip(prompts, responses, outputs, values):
-                    f.write(json.dumps({"time": time.time(), "prompt": p, "response": r, "judge": o, "score": v}) + "\n")
+                for i, (p, r, o, v) in enumerate(zip(prompts, responses, outputs, values)):
+                    extra = {key: _plain(column[i]) for key, column in columns.items()}
+                    f.write(json.dumps({**extra, "time": time.time(), "prompt": p, "response": r, "judge": o,
+                                        "score": v, "scorable": v is not None, "why": why[i]}) + "\n")
         return JudgeResult(scores, parsed, outputs, failed if getattr(self.backend, "reports_request_failures", False)
                            else None)
 
     def close(self) -> None:
         if hasattr(self.backend, "close"):
             self.backend.close()
+
+
+def _plain(value):
+    """A numpy scalar as its Python value (for json)."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def judge_enabled(cfg) -> bool:
@@ -284,9 +432,11 @@ def judge_engine(setting: str) -> str:
     return "vllm" if torch.cuda.is_available() else "hf"
 
 
-def build_judge(cfg, run_dir: Path, engine_settings: Callable[[], tuple] | None = None) -> JudgeReward | None:
-    """reward.judge -> a JudgeReward on its backend (None when no judge is configured). `engine_settings()`:
-    (RolloutSettings, tokenizer) of the local judge's engine, built by the driver (rlframe/stages/rft.py)."""
+def build_judge(cfg, run_dir: Path | None, engine_settings: Callable[[], tuple] | None = None,
+                unscorable_score: float = float("nan")) -> JudgeReward | None:
+    """reward.judge -> a JudgeReward on its backend (None when no judge is configured), logging to
+    <run_dir>/judge_outputs.jsonl (run_dir None: no log; rlframe.eval writes the replies beside its samples). `engine_settings()`:
+    (RolloutSettings, tokenizer) of the local judge's engine (rlframe/trainer/worker_settings.py)."""
     if not judge_enabled(cfg):
         return None
     judge = cfg.reward.judge
@@ -294,8 +444,12 @@ def build_judge(cfg, run_dir: Path, engine_settings: Callable[[], tuple] | None 
         import os
 
         backend = HTTPJudge(judge.url, judge.model, judge.max_new_tokens, os.environ.get(judge.api_key_env, ""),
-                            judge.timeout_s, max_retries=judge.max_retries, max_concurrency=judge.max_concurrency)
+                            judge.timeout_s, max_retries=judge.max_retries, max_concurrency=judge.max_concurrency,
+                            max_rpm=judge.max_rpm)
+        problem = backend.probe()
+        if problem is not None:
+            raise JudgeError(problem)
     else:
         settings, tokenizer = engine_settings()
         backend = EngineJudge(settings, tokenizer, judge.timeout_s)
-    return JudgeReward(judge, backend, run_dir / "judge_outputs.jsonl")
+    return JudgeReward(judge, backend, None if run_dir is None else run_dir / "judge_outputs.jsonl", unscorable_score)

@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from rlframe.config import RLConfig
-from rlframe.reward.judge import build_judge, judge_engine, prompt_text
+from rlframe.reward.judge import build_judge, prompt_text
 from rlframe.stages.common import StageTrainer, capped_steps, prompts_batch
 from rlframe.stages.data import Example, collate_sft
 from rlframe.stages.dpo import pair_prompts
 from rlframe.trainer.scorer import validation_accuracy
-from rlframe.trainer.worker_settings import actor_settings, rollout_settings
+from rlframe.trainer.worker_settings import actor_settings, judge_engine_settings
 from rlframe.workers.roles.policy_trainer import PolicyTrainerWorker, PreferenceSettings
-from rlframe.workers.settings import ActorSettings, RolloutSettings, SamplingSettings, UpdateLoop
+from rlframe.workers.settings import ActorSettings, UpdateLoop
 
 
 def select_kept(scores: list[float], texts: list[str], keep_top_k: int, min_score: float) -> list[int]:
@@ -63,21 +63,6 @@ def rft_settings(cfg: RLConfig, model_path: str) -> ActorSettings:
     return replace(actor_settings(cfg, model_path, with_rollout=True), loop=loop)
 
 
-def judge_engine_settings(cfg: RLConfig) -> tuple[RolloutSettings, object]:
-    """The local judge's engine (reward.judge.model): greedy, reward.judge.max_new_tokens; and its tokenizer."""
-    from transformers import AutoTokenizer
-
-    from rlframe.models.provision import resolve_model_path
-
-    judge = cfg.reward.judge
-    path = resolve_model_path(judge.model)
-    settings = rollout_settings(cfg, path)
-    settings = replace(settings, device=replace(settings.device, rollout_engine=judge_engine(judge.engine)), lora=None,
-                       multi_turn=None, max_model_len=judge.max_model_len,
-                       validation=SamplingSettings(max_new_tokens=judge.max_new_tokens, temperature=0.0))
-    return settings, AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-
-
 class RFTTrainer(StageTrainer):
     def __init__(self, cfg: RLConfig, model_path: str, tokenizer, train_files: list[str], val_files: list[str],
                  run_dir: Path, datasets: dict | None = None):
@@ -96,7 +81,8 @@ class RFTTrainer(StageTrainer):
               f"{rft.keep_top_k or 'all'} per prompt with score >= {rft.min_score}, then {rft.epochs} {rft.loss} "
               f"pass(es) in steps of {rft.batch_size} ({len(self.prompts)} training prompts)", flush=True)
         self.start(val_files)
-        self.judge = build_judge(cfg, run_dir, lambda: judge_engine_settings(cfg))  # None without reward.judge
+        self.judge = build_judge(cfg, run_dir, lambda: judge_engine_settings(cfg),  # None without reward.judge
+                                 unscorable_score=cfg.reward.judge.fallback_score)  # (rft ranks: no NaN)
         self.plan_run(capped_steps(cfg, rft.rounds, f"rft.rounds={rft.rounds}, one step each", "rft.rounds"))
 
     @property

@@ -47,10 +47,17 @@ def keep_informative(batch: DataProto) -> DataProto:
     """Dynamic sampling: only the rows of groups whose outcome scores differ.
 
     The scores before overlong shaping, as in DAPO (a group all right or all wrong is dropped, whatever
-    the lengths of its responses).
+    the lengths of its responses). With an LLM judge, a group is judged by its scorable rows (column
+    `scorable`): one whose scorable rows agree is dropped, whatever its unscorable rows scored.
     """
     scores = batch.batch["outcome_scores"] if "outcome_scores" in batch else batch.batch["token_level_scores"].sum(-1)
-    keep = informative_groups(batch.non_tensor_batch["uid"], scores.numpy())
+    uids = batch.non_tensor_batch["uid"]
+    if "scorable" in batch:  # an LLM judge's unscorable rows: a group is informative by its scorable rows only
+        scorable = batch.batch["scorable"].numpy()
+        informative = set(uids[scorable][informative_groups(uids[scorable], scores.numpy()[scorable])])
+        keep = np.array([uid in informative for uid in uids], dtype=bool)
+    else:
+        keep = informative_groups(uids, scores.numpy())
     return batch[np.nonzero(keep)[0]]
 
 

@@ -90,8 +90,19 @@ METRICS: tuple[Metric, ...] = (
     Metric("reward/overlong_penalty", R, "Mean overlong penalty (DAPO's algorithm.overlong_buffer).",
            "Near 0 once responses fit the budget."),
     Metric("reward/overlong_frac", R, "Share of samples inside the overlong buffer.", "Falling."),
-    Metric("reward/judge_parse_failure_rate", R, "Share of LLM-judge replies that did not parse to a score.",
-           "0; above ~0.1: fix reward.judge.template / parser."),
+    Metric("reward/judge_parse_failure_rate", R, "Share of the step's samples whose LLM-judge reply came but did not "
+           "parse to a score (reward.judge: rubric lines, verdict pattern or parser).",
+           "0; above ~0.1: fix reward.judge.template / criteria / pattern / parser (judge_outputs.jsonl shows the replies)."),
+    Metric("reward/judge_request_failure_rate", R, "Share of the step's samples whose request to the judge's URL "
+           "failed after reward.judge.max_retries retries (timeouts, 429 / 5xx, broken replies).",
+           "0; above 0: the server is overloaded (lower reward.judge.max_concurrency / max_rpm) or slow (timeout_s)."),
+    Metric("reward/judge_unscorable_rate", R, "Share of the step's samples the LLM judge gave no usable verdict "
+           "(reply unparsable or request failed): left out of their group's baseline with advantage 0, never "
+           "given a made-up score (stage=rft: reward.judge.fallback_score).",
+           "0; a steady rate above ~0.1 wastes samples; above reward.max_failure_rate for "
+           "reward.max_failure_steps steps stops the run."),
+    Metric("reward/judge_calls", R, "Judge prompts sent this step (one per sample; a retry is not counted).",
+           "rollout.n x data.train_batch_size."),
     # validation
     Metric("val/reward_mean", V, "Mean score on the validation set (greedy at rollout.val_temperature=0).",
            "Rises from step 0's value; the main job's figures: 0.2109 -> 0.4922."),

@@ -33,6 +33,7 @@ from rlframe.config import RLConfig, to_container
 from rlframe.config.actor import skips_old_log_prob_pass
 from rlframe.data.dataset import RLDataset
 from rlframe.protocol import DataProto
+from rlframe.reward.judge import build_judge
 from rlframe.memory_plan import plans_gpu, read_shape
 from rlframe.trainer import algorithm_steps, perf
 from rlframe.trainer.gates import Gates, GateStopped, run_dtype, step_signals, sync_check_metrics
@@ -40,6 +41,7 @@ from rlframe.trainer.launch import start_workers
 from rlframe.trainer.rollout_source import RolloutSource
 from rlframe.trainer.run_loop import RunLoop
 from rlframe.trainer.scorer import Scorer
+from rlframe.trainer.worker_settings import judge_engine_settings
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +49,17 @@ logger = logging.getLogger(__name__)
 def compute_advantage(batch: DataProto, cfg: RLConfig) -> DataProto:
     """Advantages and returns from token-level rewards, by the configured estimator."""
     estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+    # an LLM judge's unscorable samples (column `scorable`): out of the baselines, advantage 0
+    unscorable = {"scorable": batch.batch["scorable"]} if "scorable" in batch else {}
+    if unscorable and "baseline_rewards" in batch:  # ReMax: a prompt whose greedy baseline the judge did not score
+        unscorable["scorable"] = unscorable["scorable"] & batch.batch["baseline_rewards"].isfinite()
     advantages, returns = estimator(
         batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"],
         config=AdvantageConfig(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                                norm_by_std=cfg.algorithm.norm_adv_by_std, whiten=cfg.algorithm.whiten_advantages,
                                turn_gamma=cfg.algorithm.turn_gamma),
         values=batch.batch["values"] if "values" in batch else None,
-        baseline_rewards=batch.batch["baseline_rewards"] if "baseline_rewards" in batch else None)
+        baseline_rewards=batch.batch["baseline_rewards"] if "baseline_rewards" in batch else None, **unscorable)
     batch.batch["advantages"] = advantages
     batch.batch["returns"] = returns
     return batch
@@ -84,6 +90,7 @@ class RLTrainer(RunLoop):
         self.val_set = None if not val_files else (
             datasets["val"] if "val" in datasets else RLDataset(val_files, tokenizer, **dataset_options(cfg)))
         self.scorer = Scorer(cfg, tokenizer, self.clock)
+        self.scorer.judge = build_judge(cfg, run_dir, lambda: judge_engine_settings(cfg))  # None without reward.judge
         self.plan_run(cfg.trainer.total_steps)
         self.rollouts = RolloutSource(cfg, self.train_set, self.scorer, self.clock, model_path, self.pad_token_id)
         self.on_policy_update = skips_old_log_prob_pass(cfg)  # the old log-probs are the update's first forward
@@ -121,6 +128,8 @@ class RLTrainer(RunLoop):
         kl_metrics = algorithm_steps.token_level_rewards(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
         with clock.timed("advantage"):
             batch = compute_advantage(batch, cfg)
+        if cfg.trainer.dump_rollouts:
+            dump_rollouts(self.run_dir / "rollouts.jsonl", step, batch, self.scorer)
         train_metrics = {}
         if self.critic is not None:
             with clock.timed("update_critic"):
@@ -229,3 +238,21 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["rollout/logprob_abs_diff"] = float(diff.sum() / mask.sum().clamp(min=1))
         metrics["rollout/logprob_abs_diff_max"] = float(diff.max())
     return metrics
+
+
+def dump_rollouts(path: Path, step: int, batch: DataProto, scorer: Scorer) -> None:
+    """trainer.dump_rollouts: one line per trained sample (step, uid, response, score, scorable, advantage) to
+    <run_dir>/rollouts.jsonl, as verl's rollout_data_dir: what the update saw, for a reader or a test."""
+    import json
+
+    mask = batch.batch["response_mask"]
+    first = mask.float().argmax(-1)  # an outcome estimator's advantage is the same on every token of a response
+    advantages = batch.batch["advantages"][range(len(batch)), first].tolist()
+    scores = (batch.batch["token_level_scores"] * mask).sum(-1).tolist()
+    scorable = batch.batch["scorable"].tolist() if "scorable" in batch else [True] * len(batch)
+    uids = batch.non_tensor_batch.get("uid", [None] * len(batch))
+    with open(path, "a") as f:
+        for i, text in enumerate(scorer.decode(batch)):
+            f.write(json.dumps({"step": step, "uid": None if uids[i] is None else str(uids[i]), "response": text,
+                                "score": scores[i], "scorable": bool(scorable[i]), "advantage": advantages[i],
+                                "response_tokens": int(mask[i].sum())}) + "\n")

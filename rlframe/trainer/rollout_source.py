@@ -208,7 +208,7 @@ class RolloutSource:
                                          batch.batch["attention_mask"]))
         if pending.baseline is not None:
             batch.batch["baseline_rewards"] = pending.baseline.repeat_interleave(cfg.rollout.n)
-            metrics["reward/greedy_baseline_mean"] = float(pending.baseline.mean())
+            metrics["reward/greedy_baseline_mean"] = float(pending.baseline.nanmean())  # (NaN: unscored by a judge)
         return batch, metrics, scores
 
     def next_prompts(self) -> DataProto:
@@ -258,7 +258,10 @@ class RolloutSource:
                 self.engines.generate_sequences(greedy_prompts, _timeout=self.cfg.trainer.timeouts.rollout))
         greedy, _ = self.scorer.score(greedy)
         shape_overlong(greedy, self.cfg)
-        return greedy.batch["token_level_scores"].sum(-1)
+        baseline = greedy.batch["token_level_scores"].sum(-1)
+        if "scorable" in greedy.batch:  # a judge gave the greedy response no verdict: its prompt has no baseline
+            baseline = torch.where(greedy.batch["scorable"], baseline, torch.full_like(baseline, float("nan")))
+        return baseline
 
     # ------------------------------------------------------------------ generation ahead (trainer.async_rollout)
     def finish_generation_ahead(self) -> None:

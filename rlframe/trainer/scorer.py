@@ -11,9 +11,15 @@ turn by turn (rollout.multi_turn.turn_rewards=per_turn). DAPO's overlong shaping
 With no reward function (`reward.functions=[]`: an environment or a reward model gives the reward) the
 rule-based part is 0 and an environment's reward stands in for it (also in val/accuracy: reward >= 1).
 
+With an LLM judge (reward.judge, rlframe/reward/judge.py; `Scorer.judge`, built by the driver) a training
+sample's score adds reward.judge.weight * the judge's score, asked in the same scoring thread (so it overlaps
+the log-prob passes too); a sample the judge gave no usable verdict is unscorable: column `scorable` False
+(its judge part left out, never made up), so the advantage leaves it out of its group's baseline with
+advantage 0 (rlframe/algos/advantages.py). Validation scores with the rule rewards only (val/* unchanged).
+
 A reward function that fails on more than reward.max_failure_rate of its samples in each of
 reward.max_failure_steps training batches in a row stops the run (`FailureWatch`): training on fallback
-scores teaches nothing.
+scores teaches nothing. The judge is watched the same way (its unscorable samples).
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ def reward_manager(cfg: RLConfig) -> RewardManager:
         import_timeout_s=cfg.reward.import_timeout_s, max_output_bytes=cfg.reward.max_output_bytes)
 
 
+JUDGE_LABEL = "reward.judge"  # the judge's entry among the reward functions' failures (FailureWatch)
+
+
 class FailureWatch:
     """Stops a run whose reward function fails on nearly every sample: more than `max_rate` of the samples
     it scored failed, in each of `steps` training batches in a row (`max_rate` 1.0: never)."""
@@ -70,8 +79,10 @@ class FailureWatch:
             else:
                 self.first_errors.pop(f.label, None)
             if self.streaks[f.label] >= self.steps:
+                what = ("the LLM judge (reward.judge) gave no usable verdict" if f.label == JUDGE_LABEL
+                        else f"reward function {f.label} failed")
                 raise RewardError(
-                    f"reward function {f.label} failed on {f.failed} of {f.scored} samples in the last batch, and on "
+                    f"{what} on {f.failed} of {f.scored} samples in the last batch, and on "
                     f"more than {self.max_rate:.0%} of its samples in each of the last {self.steps} training "
                     f"batches (reward.max_failure_rate={self.max_rate:g}, reward.max_failure_steps={self.steps}): "
                     f"training on fallback scores teaches nothing, so the run stops. Its first failure:\n"
@@ -199,6 +210,7 @@ class Scorer:
         self.rewards = reward_manager(cfg)
         self.failure_watch = FailureWatch(cfg.reward.max_failure_rate, cfg.reward.max_failure_steps)
         self.reward_model = None
+        self.judge = None  # a JudgeReward (rlframe/reward/judge.py) when reward.judge is set (trainer/rl_trainer.py)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlframe-reward")
 
     def decode(self, batch: DataProto) -> list[str]:
@@ -241,9 +253,16 @@ class Scorer:
         return scored, metrics
 
     def score_with_result(self, batch: DataProto, texts: list[str] | None = None):
-        """`score`, and the reward functions' RewardResult."""
+        """`score`, and the reward functions' RewardResult (+ the judge's verdicts: column `scorable`)."""
         texts = self.decode(batch) if texts is None else texts
         result, scores, metrics = self.rule_and_model_scores(batch, texts)
+        if self.judge is not None:
+            judged, judge_metrics = self.judge_scores(batch, texts)
+            scores = scores + self.cfg.reward.judge.weight * np.where(judged.scorable, judged.scores, 0.0)
+            batch.batch["scorable"] = torch.as_tensor(judged.scorable, dtype=torch.bool)
+            metrics.update(judge_metrics)
+            result.by_function = [*result.by_function, FunctionFailures(
+                JUDGE_LABEL, int((~judged.scorable).sum()), len(texts), first_unscorable(judged))]
         batch.batch["token_level_scores"] = place_scores_on_last_token(scores, batch.batch["response_mask"])
         nt = batch.non_tensor_batch
         if self.cfg.rollout.multi_turn.turn_rewards == "per_turn" and "agent_turn_reward_positions" in nt:
@@ -255,6 +274,19 @@ class Scorer:
         if accuracy is not None:
             metrics["critic/accuracy"] = float(np.nanmean(accuracy))
         return batch, metrics, result
+
+    def judge_scores(self, batch: DataProto, texts: list[str]):
+        """The judge's verdicts on the batch's responses (one request per sample), each logged with its step and uid."""
+        from rlframe.reward.judge import prompt_text
+
+        nt = batch.non_tensor_batch
+        uids = list(nt["uid"]) if "uid" in nt else [None] * len(texts)
+        step = batch.meta_info.get("step", self.clock.step)
+        before = self.judge.calls
+        unwrap = chat_unwrapper(self.tokenizer)
+        judged = self.judge.score([unwrap(prompt_text(p)) for p in nt["raw_prompt"]], texts, list(nt["ground_truth"]),
+                                  rows={"step": [step] * len(texts), "uid": uids, "row": list(range(len(texts)))})
+        return judged, {**judged.metrics(), "reward/judge_calls": float(self.judge.calls - before)}
 
     def score_shaped(self, batch: DataProto, texts: list[str] | None = None) -> tuple[DataProto, dict[str, float]]:
         """`score`, then the overlong shaping: the reward training uses (its failures watched: FailureWatch)."""
@@ -303,3 +335,37 @@ class Scorer:
     def close(self) -> None:
         self.thread.shutdown(wait=True, cancel_futures=True)  # before its reward workers stop
         self.rewards.close()
+        if self.judge is not None:
+            self.judge.close()
+
+
+def chat_unwrapper(tokenizer):
+    """templated prompt -> the user's message, for the judge's {prompt}: the chat template's text around one user
+    message (its system prompt and headers) is cut off; a prompt it does not wrap that way (several messages, an
+    image) stays whole."""
+    marker = "\u0000RLFRAME-USER\u0000"
+    try:
+        wrapped = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                                tokenize=False)
+    except Exception:
+        return lambda text: text
+    if not isinstance(wrapped, str) or wrapped.count(marker) != 1:
+        return lambda text: text
+    head, tail = wrapped.split(marker)
+
+    def unwrap(text: str) -> str:
+        if text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail):
+            return text[len(head):len(text) - len(tail)]
+        return text
+
+    return unwrap
+
+
+def first_unscorable(judged) -> str | None:
+    """The first unscorable sample's judge reply, for the message of a run the judge stops (FailureWatch)."""
+    rows = np.flatnonzero(~judged.scorable)
+    if not len(rows):
+        return None
+    return (f"the judge's reply to row {rows[0]} was {judged.outputs[rows[0]][:300]!r} (empty: its request failed); "
+            "it does not parse. Read <run_dir>/judge_outputs.jsonl, and fix reward.judge.template / criteria / "
+            "pattern / parser")

@@ -211,3 +211,22 @@ def reward_model_settings(cfg: RLConfig, model_path: str) -> RewardModelSettings
     rm = cfg.reward_model
     return RewardModelSettings(model_path=model_path, device=device_request(cfg), max_length=rm.max_length,
                                micro_batch_size=rm.micro_batch_size, dtype=rm.dtype, trust_remote_code=rm.trust_remote_code)
+
+
+def judge_engine_settings(cfg: RLConfig) -> tuple[RolloutSettings, object]:
+    """The local LLM judge's engine (reward.judge.model; rlframe/reward/judge.py): greedy, reward.judge.max_new_tokens,
+    reward.judge.max_model_len; and its tokenizer."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from rlframe.models.provision import resolve_model_path
+    from rlframe.reward.judge import judge_engine
+
+    judge = cfg.reward.judge
+    path = resolve_model_path(judge.model)
+    settings = rollout_settings(cfg, path)
+    settings = replace(settings, device=replace(settings.device, rollout_engine=judge_engine(judge.engine)), lora=None,
+                       multi_turn=None, agent_program=None, max_model_len=judge.max_model_len,
+                       validation=SamplingSettings(max_new_tokens=judge.max_new_tokens, temperature=0.0))
+    return settings, AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
