@@ -205,6 +205,9 @@ class WorkerGroup:
         self.default_timeout_s = default_timeout_s
         self.world_size = pool.world_size
         self._rank_infos = [RankInfo(rank) for rank in range(self.world_size)]
+        # how long the start took: {"spawn": s, "init": s, "ranks": [each rank's init parts (WorkerHost.init_roles)]}
+        self.startup_times: dict = {}
+        self._spawn_started = time.perf_counter()
         self._hosts = self._spawn_hosts()
         try:
             self._start()
@@ -247,12 +250,15 @@ class WorkerGroup:
             raise
         for info in infos:
             self._rank_infos[info["rank"]] = RankInfo(info["rank"], info["node_ip"], info["hostname"], info["pid"])
+        init_started = time.perf_counter()
+        self.startup_times["spawn"] = init_started - self._spawn_started
         master_addr, master_port = infos[0]["node_ip"], infos[0]["master_port"]
         refs = [
             (rank, host.init_roles.remote(master_addr, master_port, self.backend, self.roles, timeout))
             for rank, host in enumerate(self._hosts)
         ]
-        self._submit("<host>", "__init__", refs, list, timeout).result()
+        self.startup_times["ranks"] = self._submit("<host>", "__init__", refs, list, timeout).result()
+        self.startup_times["init"] = time.perf_counter() - init_started
 
     # ------------------------------------------------------------------ calls
 
