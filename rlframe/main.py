@@ -262,7 +262,7 @@ def init_ray(cfg: RLConfig, run_dir: Path | None = None) -> None:
 
         env["env_vars"].update(worker_log_env(run_dir, cfg.trainer.verbose))
         env["worker_process_setup_hook"] = "rlframe.workers.log_capture.capture_worker_output"
-    connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, env)
+    connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, env, dashboard=cfg.trainer.ray_dashboard)
 
 
 @dataclass

@@ -122,9 +122,10 @@ def merge_with_job_env(ours: dict, job: dict | None) -> tuple[dict, list[str]]:
     return merged, notes
 
 
-def connect(address: str | None, num_cpus: int | None, env: dict) -> None:
-    """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one. Run as a
-    submitted Ray job, our runtime env joins the job's (merge_with_job_env)."""
+def connect(address: str | None, num_cpus: int | None, env: dict, dashboard: bool = False) -> None:
+    """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one (with
+    Ray's dashboard only when `dashboard`). Run as a submitted Ray job, our runtime env joins the job's
+    (merge_with_job_env)."""
     if ray.is_initialized():
         return
     env, notes = merge_with_job_env(env, job_runtime_env())
@@ -134,7 +135,9 @@ def connect(address: str | None, num_cpus: int | None, env: dict) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env, log_to_driver=True)
+        if not dashboard:  # nothing reads Ray's own metrics either: its agents skip collecting and exporting them
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard, runtime_env=env, log_to_driver=True)
 
 
 def list_nodes() -> list[NodeInfo]:

@@ -181,17 +181,24 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
     extra: dict[str, float] = {}
     try:
         colocated = cfg.trainer.placement == "colocated"
+        # The groups of independent roles start side by side: every group's actors are asked for first, then each
+        # group's init is sent once its ranks run, then all are waited for.
         groups.append(WorkerGroup(pools[0], trainer_roles(cfg, model_path, with_rollout=colocated), backend=backend,
-                                  name=plans[0].name, default_timeout_s=timeout))
-        actor = groups[0].role("actor_rollout")
-        if colocated:
-            actor_rollout = actor
-        else:
+                                  name=plans[0].name, default_timeout_s=timeout, wait=False))
+        if not colocated:
             rollout_settings = worker_settings.rollout_settings(cfg, model_path)
             groups.append(WorkerGroup(
                 pools[1], {"rollout": (RolloutWorker, {"settings": rollout_settings,
                                                        "weight_sync_timeout_s": cfg.trainer.timeouts.weight_sync})},
-                backend=backend, name=plans[1].name, default_timeout_s=timeout))
+                backend=backend, name=plans[1].name, default_timeout_s=timeout, wait=False))
+        for group in groups:
+            group.begin_init()
+        for group in groups:
+            group.wait_started()
+        actor = groups[0].role("actor_rollout")
+        if colocated:
+            actor_rollout = actor
+        else:
             rollout = groups[1].role("rollout")
             sync_start = time.perf_counter()
             _init_weight_sync(cfg, actor, rollout, "nccl" if request.gpus else "gloo", timeout)  # CUDA buffers only

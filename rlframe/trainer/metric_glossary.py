@@ -200,10 +200,11 @@ METRICS: tuple[Metric, ...] = (
            "plan, the tokenizer, and every data row read and templated.", "Grows with the data set."),
     Metric("timing/startup/ray_init", T, "Starting (or joining) the Ray cluster.", "A few seconds for a local one."),
     Metric("timing/startup/cluster_check", T, "Listing the nodes and checking they hold the run's devices.", ""),
-    Metric("timing/startup/driver_setup", T, "The stage's driver before its workers: datasets, scorer (its reward "
-           "processes start here), tracker, plugins.", ""),
-    Metric("timing/startup/workers", T, "Starting every worker group, until all roles are built (spawn/* and "
-           "init/* lie inside it).", "The largest part."),
+    Metric("timing/startup/driver_setup", T, "The stage's driver set-up (datasets, scorer: its reward processes "
+           "start here, tracker, plugins) outside `workers`: the RL driver sets up while its workers start, so only "
+           "what is left before them counts here.", "Near 0 for RL runs."),
+    Metric("timing/startup/workers", T, "Starting every worker group, from asking for them until all roles are "
+           "built (spawn/* and init/* lie inside it).", "The largest part."),
     Metric("timing/startup/spawn/*", T, "One worker group (by pool name): from asking Ray for its actors until every "
            "rank answers (process start and its imports).", ""),
     Metric("timing/startup/init/*", T, "One worker group: joining its process group and building its roles, the "

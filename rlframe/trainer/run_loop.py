@@ -85,11 +85,33 @@ class RunLoop:
         self.tracker = Tracker(self.run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name,
                                cfg.trainer.experiment_name, to_container(cfg), total_steps=total_steps)
 
+    def launch_workers_in_background(self) -> None:
+        """Start the workers in a thread while the stage's driver sets up the rest (its scorer, tracker, data
+        state); the next `launch_workers` waits for them. Ray's calls are thread-safe, and no process is a child
+        of the thread (Ray's raylet starts the workers)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._launch_started = time.perf_counter()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="start-workers")
+        self._launching = pool.submit(self.start_workers)
+        pool.shutdown(wait=False)
+
+    def abandon_launch(self) -> None:
+        """The set-up failed while the workers started in the background: wait for them, then stop them."""
+        launching, self._launching = getattr(self, "_launching", None), None
+        if launching is not None:
+            try:
+                launching.result().shutdown()
+            except BaseException:  # (their own failure: the set-up's error is the one to report)
+                pass
+
     def launch_workers(self) -> None:
         first = self.workers is None  # a restart's second start is not the run's start-up
-        start = time.perf_counter()
+        launching, self._launching = getattr(self, "_launching", None), None
+        start = getattr(self, "_launch_started", None) if launching is not None else None
+        start = start if start is not None else time.perf_counter()
         with self.clock.timed("init_workers"):
-            self.workers = self.start_workers()
+            self.workers = launching.result() if launching is not None else self.start_workers()
         if first:
             STARTUP.add("workers", time.perf_counter() - start)
             STARTUP.parts.update(getattr(self.workers, "startup_parts", dict)())
