@@ -334,11 +334,10 @@ def check_before_ray(cfg: RLConfig, run_dir: Path) -> PreparedRun:
 
 def shutdown_ray() -> None:
     """Stop the local Ray cluster this process started (its workers, raylet and GCS) now, while the driver still
-    runs, rather than in the interpreter's exit; a joined cluster is only left."""
-    import ray
+    runs, rather than in the interpreter's exit; a joined cluster is only left (rlframe/controller/cluster.py)."""
+    from rlframe.controller.cluster import shutdown
 
-    if ray.is_initialized():
-        ray.shutdown()
+    shutdown()
 
 
 def run(cfg: RLConfig) -> dict:
