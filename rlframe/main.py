@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from omegaconf import OmegaConf
 
 from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_before_workers, validate_config
 from rlframe.schema_types import field_type, type_in_words
+from rlframe.trainer.startup import STARTUP
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -259,7 +262,7 @@ def init_ray(cfg: RLConfig, run_dir: Path | None = None) -> None:
 
         env["env_vars"].update(worker_log_env(run_dir, cfg.trainer.verbose))
         env["worker_process_setup_hook"] = "rlframe.workers.log_capture.capture_worker_output"
-    connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, env)
+    connect(cfg.trainer.ray_address, cfg.trainer.num_cpus, env, dashboard=cfg.trainer.ray_dashboard)
 
 
 @dataclass
@@ -329,32 +332,47 @@ def check_before_ray(cfg: RLConfig, run_dir: Path) -> PreparedRun:
     return PreparedRun(run_dir, model_path, tokenizer, train_files, val_files, datasets)
 
 
+def shutdown_ray() -> None:
+    """Stop the local Ray cluster this process started (its workers, raylet and GCS) now, while the driver still
+    runs, rather than in the interpreter's exit; a joined cluster is only left (rlframe/controller/cluster.py)."""
+    from rlframe.controller.cluster import shutdown
+
+    shutdown()
+
+
 def run(cfg: RLConfig) -> dict:
     from rlframe.trainer.run_dir import release_run_dir
     from rlframe.trainer.signals import STOP
 
-    prepared = prepare_run(cfg)
+    with STARTUP.phase("prepare"):
+        prepared = prepare_run(cfg)
     run_dir = prepared.run_dir
-    init_ray(cfg, run_dir)
+    with STARTUP.phase("ray_init"):
+        init_ray(cfg, run_dir)
     STOP.install()  # again: ray.init replaces the SIGTERM handler with one that aborts the driver
-    from rlframe.controller.cluster import ClusterTooSmall, check_cluster, list_nodes, print_nodes
-    from rlframe.trainer.launch import cluster_request
+    with STARTUP.phase("cluster_check"):
+        from rlframe.controller.cluster import ClusterTooSmall, check_cluster, list_nodes, print_nodes
+        from rlframe.trainer.launch import cluster_request
 
-    nodes = list_nodes()
-    print_nodes(nodes)
-    try:  # too few devices is an error here, before any worker starts
-        check_cluster(cluster_request(cfg, nodes), nodes)
-    except ClusterTooSmall as err:
-        raise UsageError(str(err)) from None
+        nodes = list_nodes()
+        print_nodes(nodes)
+        try:  # too few devices is an error here, before any worker starts
+            check_cluster(cluster_request(cfg, nodes), nodes)
+        except ClusterTooSmall as err:
+            raise UsageError(str(err)) from None
+    start, workers_before = time.perf_counter(), STARTUP.parts.get("workers", 0.0)
     from rlframe.stages.run import make_trainer
 
     trainer = make_trainer(cfg, prepared.model_path, prepared.tokenizer, prepared.train_files, prepared.val_files,
                            run_dir, prepared.datasets)  # by cfg.stage
+    STARTUP.add("driver_setup", time.perf_counter() - start - (STARTUP.parts.get("workers", 0.0) - workers_before))
     try:
         summary = trainer.fit()
     finally:
-        trainer.close()
-        release_run_dir(run_dir)
+        with STARTUP.exit_phase(run_dir):  # the shutdown, timed: <run_dir>/startup.json
+            trainer.close()
+            release_run_dir(run_dir)
+            shutdown_ray()
     before, after = summary["val_before"], summary["val_after"]
     if before.get("val/reward_mean") is not None and after.get("val/reward_mean") is not None:
         print(f"validation reward: {before['val/reward_mean']:.3f} -> {after['val/reward_mean']:.3f}; "
@@ -371,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     on nearly every sample) ends as one `error:` screen, exit status 1; anything else keeps its traceback."""
     from rlframe.trainer.signals import Stopped, stop_signals
 
+    STARTUP.begin()  # the start-up profile (rlframe/trainer/startup.py): `imports` ends here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     from rlframe.cli_help import handle_info_flags, print_composed
@@ -380,8 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if "--cfg" in argv:  # --cfg job: the composed configuration, nothing run
             return print_composed(compose_config, argv)
-        cfg = compose_config(argv)
-        validate_config(cfg)
+        with STARTUP.phase("config"):
+            cfg = compose_config(argv)
+            validate_config(cfg)
         with stop_signals():  # SIGINT / SIGTERM: stop at the next safe point (between steps); a second one: at once
             try:
                 run(cfg)
@@ -392,5 +412,23 @@ def main(argv: list[str] | None = None) -> None:
         raise UsageError(str(err)) from None
 
 
+def exit_now(code: int = 0) -> None:
+    """After a finished run (its files closed, its workers and Ray stopped): run the exit hooks (wandb's service,
+    multiprocessing's children), flush, and leave without the rest of the interpreter's teardown (the finalisers
+    of thousands of modules, torch's thread pools), which only costs time here. In-process callers of main()
+    never get here."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
+    exit_now(0)

@@ -17,6 +17,8 @@ import json
 import math
 from pathlib import Path
 
+from rlframe.trainer.startup import PREFIX as STARTUP_PREFIX, describe as describe_startup
+
 # (title, [(metric key, label, dashed)]): a chart is drawn when at least one of its keys was logged.
 CHARTS: list[tuple[str, list[tuple[str, str, bool]]]] = [
     ("Reward", [("critic/score/mean", "train score", False), ("reward/score_mean", "train reward", False),
@@ -156,7 +158,8 @@ def line_chart(title: str, lines: list[tuple[str, list[tuple[float, float]], boo
 
 def phase_chart(steps: dict[int, dict[str, float]]) -> str | None:
     """Stacked bars: seconds of each timing/* phase per training step (timing/step is the total)."""
-    phases = sorted({k for m in steps.values() for k in m if k.startswith("timing/") and k not in ("timing/step",)})
+    phases = sorted({k for m in steps.values() for k in m if k.startswith("timing/") and k not in ("timing/step",)
+                     and not k.startswith(STARTUP_PREFIX)})  # (the start-up profile: a row of the summary)
     rows = [(step, {p: m.get(p, 0.0) for p in phases}) for step, m in steps.items()
             if any(p in m for p in phases) and step > 0]
     if not rows:
@@ -331,6 +334,8 @@ def summary_rows(steps: dict[int, dict[str, float]]) -> list[tuple[str, str]]:
     if times:
         rows.append(("mean seconds per step", f"{sum(times) / len(times):.1f}"))
         rows.append(("total training time", f"{sum(times) / 60:.1f} min"))
+    if STARTUP_PREFIX + "total" in steps.get(0, {}):
+        rows.append(("start-up (timing/startup/*)", html.escape(describe_startup(steps[0]))))
     return rows
 
 

@@ -49,7 +49,9 @@ def ray_session():
         ray.init(num_cpus=8, include_dashboard=False)
     yield
     if started:
-        ray.shutdown()
+        from rlframe.controller.cluster import shutdown
+
+        shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,9 @@ from rlframe.protocol import DataProto
 def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     yield
-    ray.shutdown()
+    from rlframe.controller.cluster import shutdown
+
+    shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
 
 
 def synthetic_batch(vocab: int, n: int = 8, prompt: int = 6, response: int = 5) -> DataProto:

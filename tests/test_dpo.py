@@ -66,7 +66,9 @@ def test_first_dpo_step_is_log2_and_moves_the_margin(tiny_model_dir):
 def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     yield
-    ray.shutdown()
+    from rlframe.controller.cluster import shutdown
+
+    shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
 
 
 def _dpo_step(model_dir, world_size: int, tmp_path, strategy: str = "fsdp"):

@@ -43,7 +43,9 @@ def test_export_from_world_size_2_matches_trainer(tiny_model_dir, tmp_path):
         group.shutdown()
         pool.remove()
     finally:
-        ray.shutdown()
+        from rlframe.controller.cluster import shutdown
+
+        shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
 
     out = tmp_path / "hf"
     result = subprocess.run([sys.executable, "-m", "rlframe.export", str(saved.path), str(out)],

@@ -23,7 +23,9 @@ def ray_session():
 
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     yield
-    ray.shutdown()
+    from rlframe.controller.cluster import shutdown
+
+    shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
 
 
 def run_lora_update(model_dir, tmp_path, world_size: int, micro: int, sequence_parallel: int = 1):

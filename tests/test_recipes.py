@@ -22,6 +22,7 @@ import pytest
 from conftest import REPO_ROOT, read_metrics, run_main, vllm_installed
 from test_agent_loop import CALC, TINY_TURNS, TOOLS, check_multi_turn_run
 from test_e2e_algorithms import RECIPE_CASES as ALGORITHM_CASES
+from test_startup import check_startup_profile
 
 RECIPES = sorted(path.stem for path in (REPO_ROOT / "recipes").glob("*.yaml"))
 
@@ -208,6 +209,7 @@ def check_main_job_run(run_dir: Path, stdout: str, trained: list[dict]) -> None:
         # The engine and the trainer hold the same weights: their log-probs agree on the same tokens.
         assert step["rollout/logprob_abs_diff"] < 1e-3
     assert "validation reward:" in stdout
+    check_startup_profile(run_dir, stdout)  # tests/test_startup.py
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert_export_loads(run_dir / "hf_model")

@@ -64,6 +64,9 @@ class TrainerConfig:
     cpus_per_worker: Optional[float] = bounded(None, "> 0")  # default: num_cpus / actor.world_size
     # a running Ray cluster to join (auto, ray://host:10001, host:6379); null: RAY_ADDRESS, else start a local one
     ray_address: Optional[str] = None
+    # A local cluster (no ray_address): also start Ray's dashboard (its web UI, job and state APIs, on port 8265);
+    # false: a run uses neither, and starts without it
+    ray_dashboard: bool = False
     # Multi-node placement (rlframe/trainer/launch.py, examples/multinode.md). colocated: actor,
     # rollout and ref share every device; disaggregated: rollout engines on their own devices (nodes).
     placement: str = "colocated"  # colocated | disaggregated

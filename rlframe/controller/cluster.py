@@ -1,6 +1,7 @@
 """The Ray cluster a run uses: join one that is there, or start a local one; check it is big enough.
 
     connect(address, num_cpus, env)     # an address (e.g. auto) -> join; else start a local cluster
+    shutdown()                          # at the end: a local cluster stops at once, nothing left behind
     nodes = list_nodes()
     chosen = check_cluster(request, nodes)  # raises ClusterTooSmall before any worker starts
 
@@ -122,9 +123,10 @@ def merge_with_job_env(ours: dict, job: dict | None) -> tuple[dict, list[str]]:
     return merged, notes
 
 
-def connect(address: str | None, num_cpus: int | None, env: dict) -> None:
-    """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one. Run as a
-    submitted Ray job, our runtime env joins the job's (merge_with_job_env)."""
+def connect(address: str | None, num_cpus: int | None, env: dict, dashboard: bool = False) -> None:
+    """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one (with
+    Ray's dashboard only when `dashboard`). Run as a submitted Ray job, our runtime env joins the job's
+    (merge_with_job_env)."""
     if ray.is_initialized():
         return
     env, notes = merge_with_job_env(env, job_runtime_env())
@@ -134,7 +136,29 @@ def connect(address: str | None, num_cpus: int | None, env: dict) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env, log_to_driver=True)
+        if not dashboard:  # nothing reads Ray's own metrics either: its agents skip collecting and exporting them
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard, runtime_env=env, log_to_driver=True)
+
+
+def shutdown() -> None:
+    """Disconnect; a local cluster this process started stops now (its raylet, GCS and daemons, each reaped: none
+    is left behind). Ray's own sweep terminates them one at a time and gives each a second to exit: the autoscaler's
+    monitor, which a local cluster does not use, takes all of it, so it is killed first (it keeps no state)."""
+    if not ray.is_initialized():
+        return
+    try:
+        from ray._private import ray_constants
+        from ray._private.worker import _global_node as node
+
+        monitors = (node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if node is not None else [])
+        for info in monitors:
+            if info.process.poll() is None:
+                info.process.kill()
+                info.process.wait(timeout=10)
+    except Exception:  # (Ray's internals moved: its own sweep below still stops everything, only slower)
+        pass
+    ray.shutdown()
 
 
 def list_nodes() -> list[NodeInfo]:

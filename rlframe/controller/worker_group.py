@@ -191,10 +191,13 @@ class WorkerGroup:
         env: environment variables for every actor (Ray runtime_env env_vars).
         default_timeout_s: deadline for calls that do not pass ``_timeout`` (None = wait forever);
             also the deadline of startup and of torch.distributed collectives.
+        wait: False returns once the actors are asked for: ``begin_init()`` then ``wait_started()`` finish the
+            start (several groups so start side by side); a call before that waits for the start first.
     """
 
     def __init__(self, pool: ResourcePool, roles: dict[str, tuple[type, dict]], *, backend: str | None = "gloo",
-                 name: str = "rlframe", env: dict[str, str] | None = None, default_timeout_s: float | None = 600):
+                 name: str = "rlframe", env: dict[str, str] | None = None, default_timeout_s: float | None = 600,
+                 wait: bool = True):
         if not roles:
             raise ValueError("a WorkerGroup needs at least one role")
         self.pool = pool
@@ -205,12 +208,17 @@ class WorkerGroup:
         self.default_timeout_s = default_timeout_s
         self.world_size = pool.world_size
         self._rank_infos = [RankInfo(rank) for rank in range(self.world_size)]
+        # how long the start took: {"spawn": s, "init": s, "ranks": [each rank's init parts (WorkerHost.init_roles)]}
+        self.startup_times: dict = {}
+        self._spawn_started = time.perf_counter()
+        self._init_future: Future | None = None
         self._hosts = self._spawn_hosts()
-        try:
-            self._start()
-        except BaseException:
-            self.shutdown()
-            raise
+        if wait:
+            try:
+                self._start()
+            except BaseException:
+                self.shutdown()
+                raise
 
     # ------------------------------------------------------------------ startup
 
@@ -234,6 +242,14 @@ class WorkerGroup:
 
     def _start(self) -> None:
         """Learn where each rank runs, then init the process group and build the roles everywhere."""
+        self.begin_init()
+        self.wait_started()
+
+    def begin_init(self) -> None:
+        """Wait until every rank runs, then send each its init (process group, roles) without waiting for it: the
+        caller may start other groups meanwhile and then `wait_started()` (launch.py starts independent groups so)."""
+        if self._init_future is not None:
+            return
         timeout = self.default_timeout_s
         try:
             infos = self._submit("<host>", "info", [(r, h.info.remote()) for r, h in enumerate(self._hosts)],
@@ -247,12 +263,26 @@ class WorkerGroup:
             raise
         for info in infos:
             self._rank_infos[info["rank"]] = RankInfo(info["rank"], info["node_ip"], info["hostname"], info["pid"])
+        self._init_started = time.perf_counter()
+        self.startup_times["spawn"] = self._init_started - self._spawn_started
         master_addr, master_port = infos[0]["node_ip"], infos[0]["master_port"]
         refs = [
             (rank, host.init_roles.remote(master_addr, master_port, self.backend, self.roles, timeout))
             for rank, host in enumerate(self._hosts)
         ]
-        self._submit("<host>", "__init__", refs, list, timeout).result()
+        self._init_future = self._submit("<host>", "__init__", refs, list, timeout)
+
+    def wait_started(self) -> None:
+        """Until every rank has built its roles (after `begin_init`); a failure shuts the group down and raises."""
+        if "init" in self.startup_times:
+            return
+        try:
+            self.begin_init()
+            self.startup_times["ranks"] = self._init_future.result()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.startup_times["init"] = time.perf_counter() - self._init_started
 
     # ------------------------------------------------------------------ calls
 
@@ -274,6 +304,7 @@ class WorkerGroup:
               blocking: bool, timeout: Any) -> Any:
         if not self._hosts:
             raise RuntimeError(f"worker group {self.name!r} has been shut down")
+        self.wait_started()
         timeout = self.default_timeout_s if timeout is _GROUP_DEFAULT else timeout
         plan: Plan = plan_call(mode, self.world_size, args, kwargs)
         shared: dict[int, Any] = {}

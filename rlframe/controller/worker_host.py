@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -154,9 +155,13 @@ class WorkerHost:
         return info
 
     def init_roles(self, master_addr: str, master_port: int, backend: str | None,
-                   roles: dict[str, tuple[type, dict]], timeout_s: float | None) -> None:
-        """Join the process group, then build one object per role (all ranks run this together)."""
+                   roles: dict[str, tuple[type, dict]], timeout_s: float | None) -> dict[str, float]:
+        """Join the process group, then build one object per role (all ranks run this together). Returns how long
+        each part took here: `process_group`, `build/<role>`, and what a role reports in its `startup_times`
+        (e.g. `model_load`, `engine_init`), in seconds."""
         current = "<init_process_group>"
+        times: dict[str, float] = {}
+        start = time.perf_counter()
         try:
             os.environ.update(
                 RANK=str(self.rank),
@@ -173,10 +178,16 @@ class WorkerHost:
                 torch.distributed.init_process_group(
                     backend, rank=self.rank, world_size=self.world_size, **kwargs
                 )
+            times["process_group"] = time.perf_counter() - start
             for current, (cls, kwargs) in roles.items():
+                start = time.perf_counter()
                 self.roles[current] = cls(**kwargs)
+                times[f"build/{current}"] = time.perf_counter() - start
+                for key, seconds in (getattr(self.roles[current], "startup_times", None) or {}).items():
+                    times[key] = times.get(key, 0.0) + seconds
         except Exception as error:
             raise self._error(error, current, "__init__") from None
+        return times
 
     def execute(self, _role: str, _method: str, /, *args, **kwargs) -> Any:
         """Call ``roles[_role]._method(*args, **kwargs)``; failures become a WorkerError. The call's peak

@@ -28,6 +28,7 @@ from rlframe.controller.cluster import ClusterRequest, NodeInfo, check_cluster, 
 from rlframe.controller.placement import PoolPlan, make_pool, plan_pools
 from rlframe.models.provision import resolve_model_path
 from rlframe.trainer import worker_settings
+from rlframe.trainer.startup import worker_group_parts
 from rlframe.workers.roles.actor_rollout import ActorRolloutWorker, ActorWorker
 from rlframe.workers.roles.critic import CriticWorker
 from rlframe.workers.roles.ref import RefWorker
@@ -111,6 +112,7 @@ class Workers:
     critic: RoleHandle | None = None
     reward_model: RoleHandle | None = None
     placement: list[dict] = field(default_factory=list)
+    startup_extra: dict[str, float] = field(default_factory=dict)  # start-up parts outside the groups' own
 
     @property
     def disaggregated(self) -> bool:
@@ -129,6 +131,16 @@ class Workers:
             for key, value in group.memory_peaks().items():
                 peaks[key] = max(value, peaks.get(key, 0.0))
         return peaks
+
+    def startup_parts(self) -> dict[str, float]:
+        """Each group's start-up parts (rlframe/trainer/startup.py: spawn/<group>, init/<group>, ...)."""
+        parts = dict(self.startup_extra)
+        for group in self.groups:
+            times = group.startup_times
+            if times:
+                parts.update(worker_group_parts(group.name, times.get("spawn", 0.0), times.get("init", 0.0),
+                                                times.get("ranks", [])))
+        return parts
 
     def shutdown(self) -> None:
         """Kill every worker and release the pools' reservations."""
@@ -166,21 +178,31 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
     plans = plan_placement(cfg)
     pools = [make_pool(plan, request, chosen) for plan in plans]
     groups: list[WorkerGroup] = []
+    extra: dict[str, float] = {}
     try:
         colocated = cfg.trainer.placement == "colocated"
+        # The groups of independent roles start side by side: every group's actors are asked for first, then each
+        # group's init is sent once its ranks run, then all are waited for.
         groups.append(WorkerGroup(pools[0], trainer_roles(cfg, model_path, with_rollout=colocated), backend=backend,
-                                  name=plans[0].name, default_timeout_s=timeout))
-        actor = groups[0].role("actor_rollout")
-        if colocated:
-            actor_rollout = actor
-        else:
+                                  name=plans[0].name, default_timeout_s=timeout, wait=False))
+        if not colocated:
             rollout_settings = worker_settings.rollout_settings(cfg, model_path)
             groups.append(WorkerGroup(
                 pools[1], {"rollout": (RolloutWorker, {"settings": rollout_settings,
                                                        "weight_sync_timeout_s": cfg.trainer.timeouts.weight_sync})},
-                backend=backend, name=plans[1].name, default_timeout_s=timeout))
+                backend=backend, name=plans[1].name, default_timeout_s=timeout, wait=False))
+        for group in groups:
+            group.begin_init()
+        for group in groups:
+            group.wait_started()
+        actor = groups[0].role("actor_rollout")
+        if colocated:
+            actor_rollout = actor
+        else:
             rollout = groups[1].role("rollout")
+            sync_start = time.perf_counter()
             _init_weight_sync(cfg, actor, rollout, "nccl" if request.gpus else "gloo", timeout)  # CUDA buffers only
+            extra["weight_sync_init"] = time.perf_counter() - sync_start
             actor_rollout = DisaggregatedActorRollout(actor, rollout)
     except BaseException:
         Workers(groups, pools, actor_rollout=None).shutdown()
@@ -191,7 +213,7 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
                           groups[0].role("actor_rollout") if worker_settings.reference_is_actor(cfg) else None),
                       critic=groups[0].role("critic") if "critic" in roles else None,
                       reward_model=groups[0].role("reward_model") if "reward_model" in roles else None,
-                      placement=describe_placement(plans, groups, chosen))
+                      placement=describe_placement(plans, groups, chosen), startup_extra=extra)
     info = actor_rollout.describe()[0]
     print(f"workers: {cfg.trainer.placement} placement; "
           + "; ".join(f"pool {p['pool']} = {p['world_size']} x {'+'.join(p['roles'])} on nodes {p['nodes']}"

@@ -198,6 +198,40 @@ METRICS: tuple[Metric, ...] = (
            "overlapped scoring), old_log_prob, ref_log_prob, values, advantage, update_critic, update, "
            "weight_sync, validation, checkpoint, and the stages' own (pair_generation, rft_sampling).",
            "rollout and update dominate; weight_sync and reward stay small."),
+    # the start-up profile (rlframe/trainer/startup.py), logged once: at step 0 with the validation before training
+    # (without one, with the first step); also in <run_dir>/startup.json, with the exit
+    Metric("timing/startup/total", T, "Seconds from the process's start to the start of step 1 (what a user waits "
+           "for before the first step).", "A small part of a long run; tens of seconds on 2 CPU cores."),
+    Metric("timing/startup/other", T, "Start-up seconds no other part names (total less the driver's parts).",
+           "Small."),
+    Metric("timing/startup/imports", T, "Seconds from the process's start to the entry point's first line: the "
+           "interpreter and the entry module's imports.", "A few seconds."),
+    Metric("timing/startup/config", T, "Composing and checking the configuration.", "Under a second."),
+    Metric("timing/startup/prepare", T, "The checks before Ray: the run directory, the model folder, the memory "
+           "plan, the tokenizer, and every data row read and templated.", "Grows with the data set."),
+    Metric("timing/startup/ray_init", T, "Starting (or joining) the Ray cluster.", "A few seconds for a local one."),
+    Metric("timing/startup/cluster_check", T, "Listing the nodes and checking they hold the run's devices.", ""),
+    Metric("timing/startup/driver_setup", T, "The stage's driver set-up (datasets, scorer: its reward processes "
+           "start here, tracker, plugins) outside `workers`: the RL driver sets up while its workers start, so only "
+           "what is left before them counts here.", "Near 0 for RL runs."),
+    Metric("timing/startup/workers", T, "Starting every worker group, from asking for them until all roles are "
+           "built (spawn/* and init/* lie inside it).", "The largest part."),
+    Metric("timing/startup/spawn/*", T, "One worker group (by pool name): from asking Ray for its actors until every "
+           "rank answers (process start and its imports).", ""),
+    Metric("timing/startup/init/*", T, "One worker group: joining its process group and building its roles, the "
+           "slowest rank.", ""),
+    Metric("timing/startup/process_group/*", T, "One worker group: torch.distributed's init, the slowest rank.", ""),
+    Metric("timing/startup/build/*", T, "One role of a worker group (build/<role>/<group>): building it, the slowest "
+           "rank.", ""),
+    Metric("timing/startup/model_load/*", T, "The actor's trainer engine: loading the model and building its "
+           "optimizer, the slowest rank.", ""),
+    Metric("timing/startup/engine_init/*", T, "The rollout engine (vLLM or HF) of one group: its start, the slowest "
+           "rank.", "vLLM: a few seconds."),
+    Metric("timing/startup/weight_sync_init", T, "Disaggregated placement: forming the broadcast group trainer -> "
+           "engines (inside `workers`).", ""),
+    Metric("timing/startup/restore", T, "Loading the checkpoint a resumed run starts from.", ""),
+    Metric("timing/startup/validation", T, "The validation before training (trainer.val_before_train).",
+           "About what a rollout of as many samples costs."),
     # performance
     Metric("perf/mfu", P, "Model FLOPs utilisation: model_tflops / (peak TFLOP/s x devices) (trainer.peak_tflops).",
            "Stable over the run; its level depends on the hardware and trainer.peak_tflops (not yet measured on a "

@@ -87,19 +87,26 @@ class RLTrainer(RunLoop):
         if cfg.trainer.total_epochs:  # epochs (verl/EasyR1) -> steps, from the dataset's size
             cfg.trainer.total_steps = cfg.trainer.total_epochs * max(1, len(self.train_set) // cfg.data.train_batch_size)
             logger.info("trainer.total_epochs=%d: %d steps", cfg.trainer.total_epochs, cfg.trainer.total_steps)
-        self.val_set = None if not val_files else (
-            datasets["val"] if "val" in datasets else RLDataset(val_files, tokenizer, **dataset_options(cfg)))
-        self.scorer = Scorer(cfg, tokenizer, self.clock)
-        self.scorer.judge = build_judge(cfg, run_dir, lambda: judge_engine_settings(cfg))  # None without reward.judge
-        self.plan_run(cfg.trainer.total_steps)
-        self.rollouts = RolloutSource(cfg, self.train_set, self.scorer, self.clock, model_path, self.pad_token_id)
-        self.on_policy_update = skips_old_log_prob_pass(cfg)  # the old log-probs are the update's first forward
         register_configured_plugins(to_container(cfg)["algorithm"])  # user estimator/loss files, before workers
-        self.kl_ctrl = algorithm_steps.make_kl_controller(cfg)
-        self.model_shape = read_shape(model_path)  # for perf/mfu (rlframe/trainer/perf.py)
-        self.peak_tflops, self.devices = perf.device_peak(cfg)
-        self.trained_batch: DataProto | None = None  # the last step's batch, for its throughput metrics
-        self.gates = Gates(cfg.trainer.gates, run_dtype(cfg.model.dtype, plans_gpu(cfg)), run_dir)
+        self.launch_workers_in_background()  # the configuration is final: the workers start while the rest is set up
+        try:
+            self.val_set = None if not val_files else (
+                datasets["val"] if "val" in datasets else RLDataset(val_files, tokenizer, **dataset_options(cfg)))
+            self.scorer = Scorer(cfg, tokenizer, self.clock)
+            self.scorer.judge = build_judge(cfg, run_dir, lambda: judge_engine_settings(cfg))  # None without reward.judge
+            self.plan_run(cfg.trainer.total_steps)
+            self.rollouts = RolloutSource(cfg, self.train_set, self.scorer, self.clock, model_path, self.pad_token_id)
+            self.on_policy_update = skips_old_log_prob_pass(cfg)  # the old log-probs are the update's first forward
+            self.kl_ctrl = algorithm_steps.make_kl_controller(cfg)
+            self.model_shape = read_shape(model_path)  # for perf/mfu (rlframe/trainer/perf.py)
+            self.peak_tflops, self.devices = perf.device_peak(cfg)
+            self.trained_batch: DataProto | None = None  # the last step's batch, for its throughput metrics
+            self.gates = Gates(cfg.trainer.gates, run_dtype(cfg.model.dtype, plans_gpu(cfg)), run_dir)
+        except BaseException:
+            self.abandon_launch()
+            if self.scorer is not None:
+                self.scorer.close()
+            raise
         self.launch_workers()
 
     def start_workers(self):

@@ -1,7 +1,7 @@
 """The run loop every stage shares (RL, SFT, DPO, RM): steps, restarts, validation, metrics, checkpoints, close.
 
     start_step = restore(where the run starts)          # trainer/run_dir.py: plan_start; 0 for a fresh run
-    validate() before training                          # step 0 of metrics.jsonl
+    validate() before training                          # step 0 of metrics.jsonl, + the start-up profile
     for step in start_step + 1 .. trainer.total_steps:
         (SIGINT/SIGTERM came: checkpoint, stop)         # trainer/signals.py: the safe point between steps
         metrics = train_step(step)                      # the stage's own step
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -28,6 +30,7 @@ from rlframe.trainer import checkpoint, fault
 from rlframe.trainer.phases import PhaseClock
 from rlframe.trainer.run_dir import plan_start, planned
 from rlframe.trainer.signals import STOP
+from rlframe.trainer.startup import STARTUP
 from rlframe.trainer.tracking import Tracker
 from rlframe.trainer.validation import validate_by_generation
 
@@ -82,9 +85,36 @@ class RunLoop:
         self.tracker = Tracker(self.run_dir, list(cfg.trainer.loggers), cfg.trainer.project_name,
                                cfg.trainer.experiment_name, to_container(cfg), total_steps=total_steps)
 
+    def launch_workers_in_background(self) -> None:
+        """Start the workers in a thread while the stage's driver sets up the rest (its scorer, tracker, data
+        state); the next `launch_workers` waits for them. Ray's calls are thread-safe, and no process is a child
+        of the thread (Ray's raylet starts the workers)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._launch_started = time.perf_counter()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="start-workers")
+        self._launching = pool.submit(self.start_workers)
+        pool.shutdown(wait=False)
+
+    def abandon_launch(self) -> None:
+        """The set-up failed while the workers started in the background: wait for them, then stop them."""
+        launching, self._launching = getattr(self, "_launching", None), None
+        if launching is not None:
+            try:
+                launching.result().shutdown()
+            except BaseException:  # (their own failure: the set-up's error is the one to report)
+                pass
+
     def launch_workers(self) -> None:
+        first = self.workers is None  # a restart's second start is not the run's start-up
+        launching, self._launching = getattr(self, "_launching", None), None
+        start = getattr(self, "_launch_started", None) if launching is not None else None
+        start = start if start is not None else time.perf_counter()
         with self.clock.timed("init_workers"):
-            self.workers = self.start_workers()
+            self.workers = launching.result() if launching is not None else self.start_workers()
+        if first:
+            STARTUP.add("workers", time.perf_counter() - start)
+            STARTUP.parts.update(getattr(self.workers, "startup_parts", dict)())
         self.clock.workers = self.workers
         self.workers_started()
 
@@ -94,7 +124,9 @@ class RunLoop:
         restarts = 0
         while True:
             try:
-                return self.run(start_step=self.restore(self.resume_from))
+                with STARTUP.phase("restore") if self.resume_from is not None and not restarts else nullcontext():
+                    start_step = self.restore(self.resume_from)
+                return self.run(start_step=start_step)
             except fault.RESTARTABLE as error:
                 if restarts >= self.cfg.trainer.max_restarts:
                     raise
@@ -111,8 +143,16 @@ class RunLoop:
         self.clock.step = start_step
         self.begin(start_step)
         if start_step == 0 and cfg.trainer.val_before_train and self.has_validation():
-            self.first_val = {**self.validate(), **self.setup_metrics}
-            self.tracker.log(0, self.first_val)
+            with STARTUP.phase("validation"):
+                self.first_val = {**self.validate(), **self.setup_metrics}
+        startup = {}
+        if STARTUP.total is None:  # this process's first start (not a restart's)
+            STARTUP.finish()
+            startup = STARTUP.metrics()
+            print(STARTUP.line(), flush=True)
+        if self.first_val and start_step == 0:  # step 0: the validation before training, with the start-up profile
+            self.tracker.log(0, {**self.first_val, **startup})
+            startup = {}
         for step in range(start_step + 1, cfg.trainer.total_steps + 1):
             if STOP.requested:  # a signal came: the safe point, before the next step
                 self.stop_at_safe_point(step - 1)
@@ -120,6 +160,8 @@ class RunLoop:
             metrics = self.train_step(step)
             metrics.update(self.clock.step_metrics(step_start))
             metrics.update(self.step_extras(metrics))
+            metrics.update(startup)  # (no validation before training: the start-up profile goes with the first step)
+            startup = {}
             if self.validation_due(step):
                 metrics.update(self.validate())
             self.tracker.log(step, metrics)

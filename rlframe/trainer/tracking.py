@@ -168,7 +168,8 @@ def format_step_line(step: int, metrics: dict[str, float], total: int | None = N
     if reward is not None:
         parts.append(f"reward={reward:.4g}")
     parts += [f"{key}={metrics[key]:.4g}" for key in CONSOLE_KEYS if key in metrics and key not in REWARD_KEYS]
-    timings = [f"{k.removeprefix('timing/')}={v:.1f}s" for k, v in metrics.items() if k.startswith("timing/")]
+    timings = [f"{k.removeprefix('timing/')}={v:.1f}s" for k, v in metrics.items()
+               if k.startswith("timing/") and not k.startswith("timing/startup/")]  # (its own line: run_loop)
     if timings:
         parts.append("| " + " ".join(timings))
     return "  ".join(parts)
@@ -194,7 +195,8 @@ def format_rich_line(step: int, total: int | None, eta: float | None, metrics: d
     for key in CONSOLE_KEYS:
         if key in metrics and key not in REWARD_KEYS:
             text.append(f"  {key}={metrics[key]:.4g}", style="yellow" if key.startswith("val/") else "")
-    timings = [f"{k.removeprefix('timing/')} {v:.1f}s" for k, v in metrics.items() if k.startswith("timing/")]
+    timings = [f"{k.removeprefix('timing/')} {v:.1f}s" for k, v in metrics.items()
+               if k.startswith("timing/") and not k.startswith("timing/startup/")]
     if timings:
         text.append("  | " + "  ".join(timings), style="dim")
     return text

@@ -55,10 +55,16 @@ class ActorRolloutWorker:
         loss = settings.loss
         if loss.custom_loss_path:  # a user's policy loss file (algorithm.custom_policy_loss)
             register_from_config("policy_loss", loss.custom_loss_path, loss.custom_loss_name)
+        start = time.perf_counter()
         self.engine = build_engine(settings.engine, self.profile, name="actor")
+        self.startup_times = {"model_load": time.perf_counter() - start}  # the start-up profile (WorkerHost.init_roles)
         self.tp = None if settings.rollout is None else tensor_parallel_group(settings.rollout)
-        self.rollout = (None if settings.rollout is None else
-                        build_rollout_engine(settings.rollout, self.profile, rank(), shares_devices=True))
+        if settings.rollout is not None:
+            start = time.perf_counter()
+            self.rollout = build_rollout_engine(settings.rollout, self.profile, rank(), shares_devices=True)
+            self.startup_times["engine_init"] = time.perf_counter() - start
+        else:
+            self.rollout = None
 
     @register(Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:

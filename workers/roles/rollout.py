@@ -34,7 +34,9 @@ class RolloutWorker:
         self.profile = settings.device.profile()
         seed_everything(settings.seed + _rank())
         self.tp = tensor_parallel_group(settings)  # ranks sharing one engine (rollout.tensor_parallel_size)
+        start = time.perf_counter()
         self.rollout = build_rollout_engine(settings, self.profile, _rank(), shares_devices=False)
+        self.startup_times = {"engine_init": time.perf_counter() - start}  # the start-up profile (WorkerHost.init_roles)
         self.rollout_engine = self.profile.rollout_engine
         self.receiver: WeightReceiver | None = None
         self.policy_version = 0  # the actor updates behind the weights held (0: the initial model)

@@ -118,6 +118,23 @@ def remove_stale_cpu_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
     return removed
 
 
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """vLLM's `batched_count_greater_than` (the rank of each sampled token: entries of its row >= its log-prob),
+    eagerly: the same integers."""
+    return (x >= values).sum(-1)
+
+
+def use_eager_token_ranks() -> None:
+    """On CPU, vLLM computes the sampled tokens' ranks with a torch.compile'd kernel (vllm/v1/sample/ops/logprobs.py)
+    whose first call builds it with inductor and a C++ compiler: seconds of the first generation (the validation
+    before training), once per engine process (docs/benchmarks.md, "Time to the first step"). The rank is an integer count (and we
+    read only the log-probs), so counting eagerly gives the same result without the build; its extra copy is
+    one bool row per sequence. GPU engines keep the compiled kernel."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = count_at_least
+
+
 def collapse_image_tokens(ids: list[int], image_token_id: int) -> list[int]:
     """Each run of image tokens (one per merged patch, as the trainer sees them) -> one token, the
     prompt as the chat template wrote it: vLLM's multimodal processor expands it from the image."""
@@ -179,6 +196,8 @@ class VLLMRollout:
         from vllm import LLM
 
         _check_vision_language_support(model_path, trust_remote_code)
+        if not profile.is_gpu:
+            use_eager_token_ranks()
         self.profile = profile
         self.pad_token_id = pad_token_id
         self.sleep_enabled = enable_sleep_mode and profile.sleep_mode
