@@ -270,6 +270,9 @@ class Scorer:
                 batch.batch["token_level_scores"], nt["agent_turn_rewards"], nt["agent_turn_reward_positions"],
                 batch.batch["response_mask"])
         metrics["critic/score/mean"] = float(np.mean(scores))
+        if self.judge is not None:  # over the samples that have a score (a judge's unscorable rows have none)
+            scorable = batch.batch["scorable"].numpy()
+            metrics["critic/score/mean"] = float(np.mean(scores[scorable])) if scorable.any() else float("nan")
         accuracy = reported_accuracy(result)
         if accuracy is not None:
             metrics["critic/accuracy"] = float(np.nanmean(accuracy))
