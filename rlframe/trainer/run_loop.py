@@ -53,6 +53,8 @@ class RunLoop:
         self.resume_from: checkpoint.Checkpoint | None = None
         self.run_id: str | None = None  # the lineage of this run's checkpoints (trainer/checkpoint.py: prune)
         self.last_checkpoint: checkpoint.Checkpoint | None = None  # saved or resumed from
+        self._launching = None  # launch_workers_in_background: the start in flight (a Future of Workers)
+        self._launch_started: float | None = None
 
     @property
     def step(self) -> int:
@@ -98,7 +100,7 @@ class RunLoop:
 
     def abandon_launch(self) -> None:
         """The set-up failed while the workers started in the background: wait for them, then stop them."""
-        launching, self._launching = getattr(self, "_launching", None), None
+        launching, self._launching = self._launching, None
         if launching is not None:
             try:
                 launching.result().shutdown()
@@ -107,9 +109,8 @@ class RunLoop:
 
     def launch_workers(self) -> None:
         first = self.workers is None  # a restart's second start is not the run's start-up
-        launching, self._launching = getattr(self, "_launching", None), None
-        start = getattr(self, "_launch_started", None) if launching is not None else None
-        start = start if start is not None else time.perf_counter()
+        launching, self._launching = self._launching, None
+        start = self._launch_started if launching is not None else time.perf_counter()
         with self.clock.timed("init_workers"):
             self.workers = launching.result() if launching is not None else self.start_workers()
         if first:
