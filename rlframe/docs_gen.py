@@ -30,7 +30,9 @@ PAGE_TITLES = {
     "algorithm": "algorithm: estimator, KL, DAPO, plugins", "actor": "actor: the policy's training",
     "critic": "critic: PPO's value model", "rollout": "rollout: engines, sampling, multi-turn, partial rollouts",
     "reward": "reward: reward functions, the judge", "reward_model": "reward_model: a trained reward model in RL",
-    "trainer": "trainer: steps, checkpoints, cluster, loggers, gates", "deepspeed": "deepspeed: the ZeRO engine",
+    "trainer": "trainer: steps, checkpoints, cluster, loggers, gates",
+    "teacher": "teacher: the frozen teacher of on-policy distillation",
+    "distillation": "distillation: the on-policy distillation loss", "deepspeed": "deepspeed: the ZeRO engine",
     "megatron": "megatron: the Megatron-core engine", "stages": "stages: pt, sft, dpo, rm, rft and pair generation",
 }
 
