@@ -1,0 +1,80 @@
+"""On-policy distillation: each loss of rlframe/algos/distillation.py against a hand computation."""
+
+import math
+
+import pytest
+import torch
+
+from rlframe.algos.distillation import (DISTILLATION_LOSSES, DistillationInputs, get_distillation_loss, log_probs_at,
+                                        reverse_kl_advantage, top_k_log_probs, topk_overlap, with_tail)
+
+ln = math.log
+
+
+def t(*values):
+    return torch.tensor([[list(values)]], dtype=torch.float64).log()  # [1, 1, K] log-probs
+
+
+def test_k1_advantage_by_hand():
+    advantages = torch.tensor([[1.0, 1.0, 1.0]])
+    log_prob = torch.tensor([[ln(0.5), ln(0.5), ln(0.5)]])
+    teacher = torch.tensor([[ln(0.25), ln(0.5), ln(0.25)]])
+    mask = torch.tensor([[1, 1, 0]])
+    with_task = reverse_kl_advantage(advantages, log_prob, teacher, mask, coef=0.5, use_task_reward=True)
+    alone = reverse_kl_advantage(advantages, log_prob, teacher, mask, coef=0.5, use_task_reward=False)
+    # log 0.5 - log 0.25 = ln 2 = 0.693147: 1 - 0.5 * 0.693147 = 0.653426; the masked token is 0
+    assert torch.allclose(with_task, torch.tensor([[0.6534264, 1.0, 0.0]]), atol=1e-6)
+    assert torch.allclose(alone, torch.tensor([[-0.3465736, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_k3_by_hand():
+    inputs = DistillationInputs(log_prob=torch.tensor([[ln(0.5)]]), teacher_log_prob=torch.tensor([[ln(0.25)]]))
+    # r = ln(0.25 / 0.5) = -ln 2; exp(r) - 1 - r = 0.5 - 1 + 0.693147 = 0.193147
+    assert get_distillation_loss("k3")(inputs).item() == pytest.approx(0.1931472, abs=1e-6)
+
+
+def test_forward_kl_topk_by_hand():
+    # teacher top-2: 0.5, 0.3 (tail 0.2); the student on those tokens: 0.4, 0.4 (tail 0.2)
+    inputs = DistillationInputs(None, None, teacher_topk_log_probs=t(0.5, 0.3), student_at_teacher_topk=t(0.4, 0.4))
+    # 0.5 ln(0.5/0.4) + 0.3 ln(0.3/0.4) + 0.2 ln(0.2/0.2) = 0.1115718 - 0.0863046 = 0.0252672
+    assert get_distillation_loss("forward_kl_topk")(inputs).item() == pytest.approx(0.0252672, abs=1e-6)
+
+
+@pytest.mark.parametrize("beta, expected", [(0.5, 0.0063672), (0.25, 0.0047533)])
+def test_jsd_by_hand(beta, expected):
+    # P = [.5, .3, .2], Q = [.4, .4, .2]; beta .5: M = [.45, .35, .2], KL(P||M) = 0.0064351, KL(Q||M) = 0.0062993
+    # beta .25: M = [.425, .375, .2], KL(P||M) = 0.0143164, KL(Q||M) = 0.0015656 -> .25 * a + .75 * b
+    inputs = DistillationInputs(None, None, teacher_topk_log_probs=t(0.5, 0.3), student_at_teacher_topk=t(0.4, 0.4))
+    assert get_distillation_loss("jsd")(inputs, beta=beta).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_reverse_kl_student_topk_by_hand():
+    # the student's top-2: 0.6, 0.3 (tail 0.1); the teacher on them: 0.3, 0.3 (tail 0.4)
+    inputs = DistillationInputs(None, None, student_topk_log_probs=t(0.6, 0.3), teacher_at_student_topk=t(0.3, 0.3))
+    # 0.6 ln 2 + 0.3 ln 1 + 0.1 ln(0.1/0.4) = 0.4158883 - 0.1386294 = 0.2772589
+    assert get_distillation_loss("reverse_kl_student_topk")(inputs).item() == pytest.approx(0.2772589, abs=1e-6)
+
+
+def test_every_loss_is_zero_when_teacher_is_student():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    ids, topk = top_k_log_probs(logits, 4)
+    sampled = torch.randint(0, 11, (2, 5, 1))
+    lp = log_probs_at(logits, sampled)[..., 0]
+    inputs = DistillationInputs(lp, lp, teacher_topk_log_probs=topk, student_at_teacher_topk=log_probs_at(logits, ids),
+                                student_topk_log_probs=topk, teacher_at_student_topk=topk)
+    for name, loss in DISTILLATION_LOSSES.items():
+        assert loss(inputs, beta=0.5).abs().max().item() < 1e-6, name
+    assert reverse_kl_advantage(torch.zeros(2, 5), lp, lp, torch.ones(2, 5), 1.0, False).abs().max() == 0
+
+
+def test_topk_helpers():
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]])
+    ids, values = top_k_log_probs(logits, 2)
+    full = torch.log_softmax(logits, -1)
+    assert ids.tolist() == [[0, 2]]
+    assert torch.allclose(values, full[:, [0, 2]])
+    assert torch.allclose(log_probs_at(logits, torch.tensor([[3, 1]])), full[:, [3, 1]])
+    assert topk_overlap(torch.tensor([[0, 2, 5]]), torch.tensor([[2, 7, 0]])).item() == pytest.approx(2 / 3)
+    # a top-k that holds all the mass: the tail is floored, not log 0
+    assert torch.isfinite(with_tail(torch.tensor([[0.0]]))).all()
