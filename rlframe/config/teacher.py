@@ -30,6 +30,8 @@ class TeacherConfig:
     temperature: float = 1.0
     # release the teacher's weights between uses (GPU: parameters on the host; CPU: its file-mapped pages)
     offload: bool = True
+    # set by a recipe that distils (opd_math): teacher.path must then be given
+    required: bool = False
 
 
 @dataclass
@@ -52,6 +54,12 @@ class DistillationConfig:
 def teacher_temperature_is_one(cfg, need) -> None:
     need(cfg.teacher.temperature == 1.0, "teacher.temperature",
          f"is {cfg.teacher.temperature}; distillation matches the teacher's own distribution: set it to 1")
+
+
+def teacher_given_when_required(cfg, need) -> None:
+    need(not cfg.teacher.required or cfg.teacher.path is not None, "teacher.path",
+         "this recipe distils from a teacher: give one. Fix: teacher.path=<an HF folder>, e.g. the hf_model of a "
+         "recipe=sft_math run (python -m rlframe.main recipe=opd_math teacher.path=<run_dir>/hf_model)")
 
 
 def teacher_path_resolves(cfg, need) -> None:
@@ -83,7 +91,7 @@ def teacher_colocated(cfg, need) -> None:
          "the teacher is a colocated role: set trainer.placement=colocated")
 
 
-CHECKS = (teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp, teacher_colocated)
+CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp, teacher_colocated)
 
 
 def _tokenizer_fingerprint(folder: str) -> dict:
