@@ -78,3 +78,97 @@ def test_topk_helpers():
     assert topk_overlap(torch.tensor([[0, 2, 5]]), torch.tensor([[2, 7, 0]])).item() == pytest.approx(2 / 3)
     # a top-k that holds all the mass: the tail is floored, not log 0
     assert torch.isfinite(with_tail(torch.tensor([[0.0]]))).all()
+
+
+# ------------------------------------------------------------------ the real workers (in process, then the whole run)
+MODES = sorted(DISTILLATION_LOSSES) + ["k1"]
+K = 4
+
+
+def _batch(vocab: int, prompt_width=6, response_width=5, rows=4):
+    from rlframe.protocol import DataProto
+
+    torch.manual_seed(0)
+    prompts = torch.randint(3, vocab, (rows, prompt_width))
+    prompt_mask = torch.ones(rows, prompt_width, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    responses = torch.randint(3, vocab, (rows, response_width))
+    response_mask = torch.ones(rows, response_width)
+    response_mask[1, 3:] = 0  # a short response
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], 1)
+    return DataProto.from_dict(tensors={
+        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "responses": responses,
+        "response_mask": response_mask, "advantages": torch.zeros(rows, response_width)})
+
+
+def _workers(student_dir, teacher_dir, mode: str, packed: str, lr: float):
+    from conftest import CPU_DEVICE
+    from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
+    from rlframe.workers.roles.teacher import TeacherSettings, TeacherWorker
+    from rlframe.workers.settings import (ActorSettings, DeviceRequest, EngineSettings, ForwardSettings, OptimSettings,
+                                         PolicyLossSettings, UpdateLoop)
+
+    device = DeviceRequest(**CPU_DEVICE)
+    engine = EngineSettings(model_path=str(student_dir), device=device, use_remove_padding=packed, top_k=K,
+                            optim=OptimSettings(lr=lr, warmup_steps=0))
+    actor = ActorRolloutWorker(ActorSettings(
+        engine=engine, loop=UpdateLoop(mini_batch_size=4, micro_batch_size=2),
+        loss=PolicyLossSettings(distill_mode=mode, distill_coef=1.0, distill_beta=0.5), log_prob=ForwardSettings(),
+        rollout=None))
+    teacher = TeacherWorker(TeacherSettings(
+        engine=EngineSettings(model_path=str(teacher_dir), device=device, use_remove_padding=packed, top_k=K),
+        forward=ForwardSettings(micro_batch_size=3)))  # other micro-batches than the student's: same numbers
+    return actor, teacher
+
+
+def _distill_step(actor, teacher, data, mode: str, step: int) -> dict:
+    from rlframe.algos.distillation import NEEDS_STUDENT_TOPK
+
+    data = data.select()
+    if mode in NEEDS_STUDENT_TOPK:
+        data = data.union(actor.compute_student_topk(data))
+    data = data.union(teacher.compute_teacher_log_prob(data))
+    data.meta_info["step"] = step
+    return actor.update_actor(data).meta_info["metrics"]
+
+
+@pytest.mark.parametrize("packed", ["false", "true"])
+@pytest.mark.parametrize("mode", MODES)
+def test_teacher_equal_to_student_gives_zero_kl_for_every_loss(mode, packed, tiny_model_dir):
+    """The student as its own teacher (the same folder), real update steps: per-token KL < 1e-6 and no gradient.
+
+    Step 2 runs after one AdamW step on that float-noise gradient (~1e-7: teacher and student forwards are cut
+    into other micro-batches); Adam normalises it to a step of about lr per weight, so the KL after it is
+    small but not float-exact (< 1e-4 at lr 1e-5)."""
+    actor, teacher = _workers(tiny_model_dir, tiny_model_dir, mode, packed, lr=1e-5)  # (the recipes' lr)
+    data = _batch(actor.engine.model.config.vocab_size)
+    for step, tolerance in ((1, 1e-6), (2, 1e-4)):
+        metrics = _distill_step(actor, teacher, data, mode, step)
+        assert abs(metrics["distill/reverse_kl"]) < tolerance and metrics["distill/reverse_kl_k3"] < tolerance, (
+            step, metrics)
+        if mode != "k1":
+            assert abs(metrics["distill/loss"]) < tolerance, (step, metrics)
+        assert metrics["distill/topk_overlap"] == pytest.approx(1.0)
+        if step == 1:
+            assert metrics["actor/grad_norm"] < 1e-5, metrics
+            assert metrics["distill/student_topk_mass"] == pytest.approx(metrics["distill/teacher_topk_mass"], abs=1e-6)
+    assert actor.engine.optimizer_steps == 2
+
+
+@pytest.fixture(scope="module")
+def other_teacher_dir(tmp_path_factory):
+    """The tiny model's architecture and tokenizer with other random weights (seed 1)."""
+    from conftest import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_teacher"), seed=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_student_moves_towards_another_teacher(mode, tiny_model_dir, other_teacher_dir):
+    """A teacher with other weights: the KL is clearly above 0 and falls over a few updates on the same batch."""
+    actor, teacher = _workers(tiny_model_dir, other_teacher_dir, mode, "true", lr=3e-3)
+    data = _batch(actor.engine.model.config.vocab_size)
+    kls = [_distill_step(actor, teacher, data, mode, step)["distill/reverse_kl_k3"] for step in range(1, 7)]
+    assert kls[0] > 1e-3, kls
+    assert kls[-1] < 0.7 * kls[0], kls
