@@ -118,7 +118,7 @@ def _workers(student_dir, teacher_dir, mode: str, packed: str, lr: float):
         rollout=None))
     teacher = TeacherWorker(TeacherSettings(
         engine=EngineSettings(model_path=str(teacher_dir), device=device, use_remove_padding=packed, top_k=K),
-        forward=ForwardSettings(micro_batch_size=3)))  # other micro-batches than the student's: same numbers
+        forward=ForwardSettings(micro_batch_size=2)))  # the student's micro-batches
     return actor, teacher
 
 
@@ -138,12 +138,12 @@ def _distill_step(actor, teacher, data, mode: str, step: int) -> dict:
 def test_teacher_equal_to_student_gives_zero_kl_for_every_loss(mode, packed, tiny_model_dir):
     """The student as its own teacher (the same folder), real update steps: per-token KL < 1e-6 and no gradient.
 
-    Step 2 runs after one AdamW step on that float-noise gradient (~1e-7: teacher and student forwards are cut
-    into other micro-batches); Adam normalises it to a step of about lr per weight, so the KL after it is
-    small but not float-exact (< 1e-4 at lr 1e-5)."""
+    Teacher and student forwards use the same micro-batches here: cut differently, the packed forwards differ by
+    ~1e-7 per log-prob, a noise gradient that AdamW normalises to a step of about lr per weight, after which the
+    KL is no longer float-exact (measured: 4.6e-4 at step 2 for k3, lr 1e-5)."""
     actor, teacher = _workers(tiny_model_dir, tiny_model_dir, mode, packed, lr=1e-5)  # (the recipes' lr)
     data = _batch(actor.engine.model.config.vocab_size)
-    for step, tolerance in ((1, 1e-6), (2, 1e-4)):
+    for step, tolerance in ((1, 1e-6), (2, 1e-6)):
         metrics = _distill_step(actor, teacher, data, mode, step)
         assert abs(metrics["distill/reverse_kl"]) < tolerance and metrics["distill/reverse_kl_k3"] < tolerance, (
             step, metrics)
@@ -166,9 +166,56 @@ def other_teacher_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_student_moves_towards_another_teacher(mode, tiny_model_dir, other_teacher_dir):
-    """A teacher with other weights: the KL is clearly above 0 and falls over a few updates on the same batch."""
-    actor, teacher = _workers(tiny_model_dir, other_teacher_dir, mode, "true", lr=3e-3)
+    """A teacher with other weights: the mode's own divergence (k1: the reverse KL of the sampled tokens) is clearly
+    above 0 and falls over a few updates on the same batch."""
+    actor, teacher = _workers(tiny_model_dir, other_teacher_dir, mode, "true", lr=1e-3)
     data = _batch(actor.engine.model.config.vocab_size)
-    kls = [_distill_step(actor, teacher, data, mode, step)["distill/reverse_kl_k3"] for step in range(1, 7)]
-    assert kls[0] > 1e-3, kls
+    key = "distill/reverse_kl_k3" if mode == "k1" else "distill/loss"
+    kls = [_distill_step(actor, teacher, data, mode, step)[key] for step in range(1, 7)]
+    assert kls[0] > 1e-4, kls  # (jsd: 7e-4 here)
     assert kls[-1] < 0.7 * kls[0], kls
+
+
+def test_a_whole_run_with_the_student_as_teacher(tiny_model_dir, tmp_path):
+    """python -m rlframe.main recipe=opd_math on the tiny model, Ray workers, the teacher role colocated, 2 steps:
+    reverse_kl_student_topk (the student's top-k pass, then the teacher's), per-token KL < 1e-6 at every step."""
+    from conftest import TINY_RUN_OVERRIDES, read_metrics, run_main
+
+    run_dir = tmp_path / "run"
+    result = run_main(["recipe=opd_math", *TINY_RUN_OVERRIDES, f"model.path={tiny_model_dir}",
+                       f"teacher.path={tiny_model_dir}", "distillation.loss_mode=reverse_kl_student_topk",
+                       "rollout.engine=hf", f"trainer.run_dir={run_dir}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "actor_rollout+teacher" in result.stdout
+    trained = [m for m in read_metrics(run_dir) if m["step"] > 0]
+    assert [m["step"] for m in trained] == [1, 2]
+    for step in trained:
+        assert abs(step["distill/reverse_kl"]) < 1e-6 and abs(step["distill/loss"]) < 1e-6, step
+        assert step["distill/topk_overlap"] == pytest.approx(1.0)
+        assert "timing/teacher_log_prob" in step and "timing/student_topk" in step
+
+
+def _copy_with_template(source, folder, template: str):
+    import shutil
+
+    shutil.copytree(source, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def test_config_errors_before_any_worker(tiny_model_dir, tmp_path):
+    """No teacher for opd_math, and a teacher whose chat template differs (both folders named)."""
+    from conftest import run_main
+
+    missing = run_main(["recipe=opd_math", f"model.path={tiny_model_dir}"], cwd=tmp_path, timeout=120)
+    assert missing.returncode != 0 and "teacher.path" in missing.stdout + missing.stderr
+    other = _copy_with_template(tiny_model_dir, tmp_path / "other", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    from rlframe.config import ConfigError, RLConfig, validate_model_folder
+
+    cfg = RLConfig()
+    cfg.teacher.path = str(other)
+    with pytest.raises(ConfigError) as error:
+        validate_model_folder(cfg, str(tiny_model_dir))
+    assert "chat template" in str(error.value) and str(other) in str(error.value) and str(tiny_model_dir) in str(error.value)
+    cfg.teacher.path = str(tiny_model_dir)
+    validate_model_folder(cfg, str(tiny_model_dir))  # the same tokenizer: no problem

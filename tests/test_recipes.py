@@ -74,7 +74,8 @@ SIZES: dict[str, list[str]] = {
 STAGE_METRIC = {"rl": "timing/update", "sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss", "pt": "pt/loss",
                 "rft": "rft/loss"}
 # ppo_math trains the critic too
-EXTRA_STEP_METRICS = {"ppo_math": ["critic/vf_loss"], "grpo_math_lora": ["actor/pg_loss"]}
+EXTRA_STEP_METRICS = {"ppo_math": ["critic/vf_loss"], "grpo_math_lora": ["actor/pg_loss"],
+                      "opd_math": ["distill/reverse_kl", "distill/teacher_log_prob", "distill/topk_overlap"]}
 # The main job's recipe also writes every logger the README names (wandb offline: no key here).
 EXTRA_ARGS = {"grpo_math": ["trainer.loggers=[console,jsonl,tensorboard,wandb]"]}
 
@@ -114,6 +115,8 @@ def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
     if recipe == "grpo_vlm_shapes":
         return args  # its own model: the tiny Qwen2.5-VL the cache builds (model.path: tiny-qwen2.5-vl)
     args.append(f"model.path={model_dir}")
+    if recipe == "opd_math":  # the student as its own teacher (the docs chain sft_math's hf_model in)
+        args.append(f"teacher.path={model_dir}")
     if recipe == "grpo_gsm8k":
         data = request.getfixturevalue("gsm8k_parquet")
         args += [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}"]
