@@ -193,7 +193,7 @@ def header_sentence(text: str) -> str:
 
 
 def docs_page_of(recipe: dict) -> str:
-    """Where a recipe is explained, from what it sets: its stage, engine, LoRA, agent loop, gateway, images."""
+    """Where a recipe is explained, from what it sets: its stage, engine, LoRA, agent loop, gateway, teacher, images."""
     actor, rollout, model = recipe.get("actor") or {}, recipe.get("rollout") or {}, recipe.get("model") or {}
     if recipe.get("stage", "rl") != "rl":
         return "stages.md"
@@ -205,6 +205,8 @@ def docs_page_of(recipe: dict) -> str:
         return "gateway.md"
     if "multi_turn" in rollout or "agent" in rollout:
         return "agents.md"
+    if "teacher" in recipe:
+        return "distillation.md"
     if (recipe.get("data") or {}).get("source") == "shapes":
         return "vision.md"
     if (recipe.get("data") or {}).get("train_files"):
