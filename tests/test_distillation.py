@@ -219,3 +219,22 @@ def test_config_errors_before_any_worker(tiny_model_dir, tmp_path):
     assert "chat template" in str(error.value) and str(other) in str(error.value) and str(tiny_model_dir) in str(error.value)
     cfg.teacher.path = str(tiny_model_dir)
     validate_model_folder(cfg, str(tiny_model_dir))  # the same tokenizer: no problem
+
+
+def test_memory_plan_counts_the_teacher_with_its_own_shape(tiny_model_dir):
+    """The teacher's weights from its folder's shape; on a GPU with teacher.offload only during the log-prob passes."""
+    from rlframe.config import RLConfig
+    from rlframe.memory_plan import ModelShape, plan_memory, read_shape
+
+    cfg = RLConfig()
+    student = read_shape(str(tiny_model_dir))
+    big_student = ModelShape.from_hf_config({**__import__("json").loads((tiny_model_dir / "config.json").read_text()),
+                                             "num_hidden_layers": 8})
+    without = plan_memory(cfg, big_student, gpu=True, capacity_gib=80.0)
+    cfg.teacher.path = str(tiny_model_dir)
+    with_teacher = plan_memory(cfg, big_student, gpu=True, capacity_gib=80.0)
+    items = [item for item in with_teacher.devices[0].items if item.role == "teacher"]
+    assert items and not any(item.role == "teacher" for item in without.devices[0].items)
+    weights = items[0]
+    assert weights.phases == ("log-probs",)  # teacher.offload: on the device for its pass only
+    assert weights.gib == pytest.approx(student.params * 2 / 2**30)  # bf16, the teacher's (2-layer) shape
