@@ -30,7 +30,9 @@ PAGE_TITLES = {
     "algorithm": "algorithm: estimator, KL, DAPO, plugins", "actor": "actor: the policy's training",
     "critic": "critic: PPO's value model", "rollout": "rollout: engines, sampling, multi-turn, partial rollouts",
     "reward": "reward: reward functions, the judge", "reward_model": "reward_model: a trained reward model in RL",
-    "trainer": "trainer: steps, checkpoints, cluster, loggers, gates", "deepspeed": "deepspeed: the ZeRO engine",
+    "trainer": "trainer: steps, checkpoints, cluster, loggers, gates",
+    "teacher": "teacher: the frozen teacher of on-policy distillation",
+    "distillation": "distillation: the on-policy distillation loss", "deepspeed": "deepspeed: the ZeRO engine",
     "megatron": "megatron: the Megatron-core engine", "stages": "stages: pt, sft, dpo, rm, rft and pair generation",
 }
 
@@ -191,7 +193,7 @@ def header_sentence(text: str) -> str:
 
 
 def docs_page_of(recipe: dict) -> str:
-    """Where a recipe is explained, from what it sets: its stage, engine, LoRA, agent loop, gateway, judge, images."""
+    """Where a recipe is explained, from what it sets: its stage, engine, LoRA, agent loop, gateway, judge, teacher, images."""
     actor, rollout, model = recipe.get("actor") or {}, recipe.get("rollout") or {}, recipe.get("model") or {}
     if recipe.get("stage", "rl") != "rl":
         return "stages.md"
@@ -205,6 +207,8 @@ def docs_page_of(recipe: dict) -> str:
         return "judge.md"
     if "multi_turn" in rollout or "agent" in rollout:
         return "agents.md"
+    if "teacher" in recipe:
+        return "distillation.md"
     if (recipe.get("data") or {}).get("source") == "shapes":
         return "vision.md"
     if (recipe.get("data") or {}).get("train_files"):

@@ -15,6 +15,8 @@ that shard the trainer, T = tokens of one micro-batch per rank, R = its response
   positions only, R * V * 4 * 2 (logits and their log-softmax / gradient);
 - reference policy: its weights bP/W and a forward's activations (one layer) and logits;
 - critic (PPO): as the actor without logits (a value head);
+- teacher (on-policy distillation, teacher.path): as the reference, with the teacher's own shape (read from its
+  folder); with teacher.offload on a GPU its weights are on the device during the log-prob passes only;
 - rollout engine: on GPU vLLM takes `gpu_memory_utilization` of the device (weights bP/TP plus KV
   cache) while it generates, and (sleep mode) nothing while the trainers work; on CPU its fp32
   weights plus `rollout.cpu_kv_cache_gib` while it generates (colocated with sleep mode on, their
@@ -291,6 +293,13 @@ def plan_memory(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) -> Me
         if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             trainers += trainer_items(cfg, shape, "ref", world, b, gpu, train=False, micro=micro,
                                       checkpointing=False, logits=True)
+    if getattr(cfg, "teacher", None) is not None and cfg.teacher.path is not None:
+        teacher = trainer_items(cfg, teacher_shape(cfg, shape), "teacher", world, b, gpu, train=False, micro=micro,
+                                checkpointing=False, logits=True)
+        if gpu and cfg.teacher.offload:  # on the device for its own pass only (workers/roles/teacher.py)
+            teacher[0] = Item("teacher", teacher[0].what + ", on the host between passes (teacher.offload)",
+                              teacher[0].gib, ("log-probs",))
+        trainers += teacher
     if configured_estimator_needs(cfg.algorithm).critic:
         critic_micro = _tokens(cfg, cfg.critic.ppo_micro_batch_size_per_device, 0)
         trainers += trainer_items(cfg, shape, "critic", world, b, gpu, train=True, micro=critic_micro,
@@ -403,6 +412,14 @@ def plans_gpu(cfg) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def teacher_shape(cfg, student: ModelShape) -> ModelShape:
+    """The teacher's shape from its folder (teacher.path); the student's while the folder is not on this machine."""
+    from rlframe.config.checks import local_model_dir
+
+    folder = local_model_dir(cfg.teacher.path)
+    return read_shape(folder) if folder is not None else student
 
 
 def read_shape(model_path: str) -> ModelShape:

@@ -75,7 +75,8 @@ SIZES: dict[str, list[str]] = {
 STAGE_METRIC = {"rl": "timing/update", "sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss", "pt": "pt/loss",
                 "rft": "rft/loss"}
 # ppo_math trains the critic too
-EXTRA_STEP_METRICS = {"ppo_math": ["critic/vf_loss"], "grpo_math_lora": ["actor/pg_loss"]}
+EXTRA_STEP_METRICS = {"ppo_math": ["critic/vf_loss"], "grpo_math_lora": ["actor/pg_loss"],
+                      "opd_math": ["distill/reverse_kl", "distill/teacher_log_prob", "distill/topk_overlap"]}
 # The main job's recipe also writes every logger the README names (wandb offline: no key here).
 EXTRA_ARGS = {"grpo_math": ["trainer.loggers=[console,jsonl,tensorboard,wandb]"]}
 
@@ -135,6 +136,8 @@ def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
     args.append(f"model.path={model_dir}")
     if recipe == "grpo_judge_math":  # the judge: a small OpenAI-compatible server in this process (docs/judge.md)
         args.append(f"reward.judge.url={request.getfixturevalue('rubric_judge').url}")
+    if recipe == "opd_math":  # the student as its own teacher (the docs chain sft_math's hf_model in)
+        args.append(f"teacher.path={model_dir}")
     if recipe == "grpo_gsm8k":
         data = request.getfixturevalue("gsm8k_parquet")
         args += [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}"]

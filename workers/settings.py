@@ -81,6 +81,7 @@ class EngineSettings:
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: off (full fine-tuning)
     checkpoint_format: str = "full"  # full (gathered, HF safetensors) | sharded (torch.distributed.checkpoint)
     freeze_vision_tower: bool = False  # vision-language models: the vision tower gets no gradient
+    top_k: int = 0  # > 0: forwards also give the model's top-k and its log-probs at another's top-k (distillation)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,12 @@ class PolicyLossSettings:
     # Off-policy correction (rlframe/algos/off_policy.py): the cap C of the truncated importance weights
     # min(pi_old / pi_rollout, C) on each token's policy-gradient term; None: no correction.
     tis_cap: float | None = None
+    # On-policy distillation (rlframe/algos/distillation.py): the loss mode (None: no teacher), its weight, whether
+    # the task reward's policy gradient is kept, and the JSD's beta.
+    distill_mode: str | None = None
+    distill_coef: float = 1.0
+    distill_use_task_reward: bool = False
+    distill_beta: float = 0.5
 
 
 @dataclass(frozen=True)

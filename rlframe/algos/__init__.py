@@ -1,4 +1,4 @@
-"""Pure tensor functions of the RL algorithms: advantages, policy losses, KL; and their registries."""
+"""Pure tensor functions of the RL algorithms: advantages, policy losses, KL, distillation; and their registries."""
 
 from rlframe.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -28,12 +28,14 @@ from rlframe.algos.losses import (
     register_policy_loss,
 )
 from rlframe.algos.dapo import informative_groups, overlong_penalty
+from rlframe.algos.distillation import DISTILLATION_LOSSES, get_distillation_loss, register_distillation_loss, reverse_kl_advantage
 from rlframe.algos.plugins import configured_estimator_needs, load_object_from_file, register_from_config
 from rlframe.algos.utils import masked_mean, masked_sum, masked_var, masked_whiten
 from rlframe.algos.value import compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DISTILLATION_LOSSES",
     "AGG_MODES",
     "AdaptiveKLController",
     "AdvantageConfig",
@@ -49,6 +51,7 @@ __all__ = [
     "entropy_from_logits",
     "estimator_needs",
     "get_advantage_estimator",
+    "get_distillation_loss",
     "get_policy_loss",
     "informative_groups",
     "kl_penalty",
@@ -62,6 +65,8 @@ __all__ = [
     "policy_loss_config",
     "policy_loss_defaults",
     "register_advantage_estimator",
+    "register_distillation_loss",
     "register_from_config",
     "register_policy_loss",
+    "reverse_kl_advantage",
 ]

@@ -10,6 +10,7 @@ topic; each module's named checks sit beside the fields they guard:
     rollout.py    rollout:      engines, multi-turn tool use, partial rollouts
     reward.py     reward:, reward_model:
     trainer.py    trainer:      steps, checkpoints, placement over nodes, asynchronous rollout, loggers
+    teacher.py    teacher:, distillation:   on-policy distillation from a frozen teacher
     stages.py     stage and sft: / dpo: / rm: / pairs: (their dataclasses: rlframe/stages/config.py)
     checks.py     how a check is written and run; ConfigError
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlframe.config import actor, algorithm, data, model, reward, rollout, stages, trainer
+from rlframe.config import actor, algorithm, data, model, reward, rollout, stages, teacher, trainer
 from rlframe.config.actor import (
     POLICY_LOSS_KEYS,
     ActorConfig,
@@ -65,6 +66,7 @@ from rlframe.config.rollout import (
     partial_span_steps,
     partial_tokens_per_round,
 )
+from rlframe.config.teacher import DistillationConfig, TeacherConfig
 from rlframe.config.trainer import (
     PLACEMENTS,
     RuntimeEnvConfig,
@@ -90,6 +92,9 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # On-policy distillation (rlframe/config/teacher.py): a frozen teacher scoring the student's samples.
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # the loss, with teacher.path
     # The engines' own sections: each engine package's settings class, handed to its engine as is.
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)  # actor.strategy=deepspeed
     megatron: MegatronSettings = field(default_factory=MegatronSettings)  # actor.strategy=megatron
@@ -107,10 +112,10 @@ class RLConfig:
 # then section by section: rule(cfg, need). The engines' own checks run through their registry
 # (check_engines: each entry's CHECKS, whatever the strategy).
 CHECKS = ((declared_bounds_hold,) + model.CHECKS + data.CHECKS + algorithm.CHECKS + actor.CHECKS + actor.CRITIC_CHECKS
-          + rollout.CHECKS + reward.CHECKS + trainer.CHECKS + (check_engines,) + stages.CHECKS)
+          + rollout.CHECKS + reward.CHECKS + trainer.CHECKS + teacher.CHECKS + (check_engines,) + stages.CHECKS)
 # The rules that read the model's folder: rule(cfg, need, model_dir), model_dir None when it is not on
 # this machine yet (a hub id, an embedded model not converted yet); run again once it is provisioned.
-FOLDER_CHECKS = model.FOLDER_CHECKS + (check_engine_model,) + rollout.FOLDER_CHECKS
+FOLDER_CHECKS = model.FOLDER_CHECKS + (check_engine_model,) + rollout.FOLDER_CHECKS + teacher.FOLDER_CHECKS
 
 
 def validate_config(cfg: RLConfig, *, run_user_code: bool = True) -> None:
@@ -152,11 +157,11 @@ def to_container(cfg: Any) -> dict:
 
 __all__ = [
     "PLACEMENTS", "POLICY_LOSS_KEYS", "ActorConfig", "AlgorithmConfig", "ArithmeticDataConfig", "ConfigError",
-    "CriticConfig", "DPOConfig", "DataConfig", "DeepSpeedSettings", "DynamicSamplingConfig", "EnvironmentConfig",
+    "CriticConfig", "DPOConfig", "DistillationConfig", "DataConfig", "DeepSpeedSettings", "DynamicSamplingConfig", "EnvironmentConfig",
     "KLControlConfig", "LoraConfig", "MegatronSettings", "ModelConfig", "MultiTurnConfig", "OptimConfig",
     "OverlongBufferConfig", "PairGenerationConfig", "PartialRolloutConfig", "PluginConfig", "RLConfig",
     "RewardConfig", "RewardFunctionConfig", "RewardModelConfig", "RewardTrainingConfig", "RolloutConfig",
-    "RuntimeEnvConfig", "SFTConfig", "ShapesDataConfig", "TimeoutConfig", "ToolConfig", "TrainerConfig",
+    "RuntimeEnvConfig", "SFTConfig", "ShapesDataConfig", "TeacherConfig", "TimeoutConfig", "ToolConfig", "TrainerConfig",
     "apply_algorithm_defaults", "devices_needed", "off_policy_correction", "partial_span_steps",
     "partial_tokens_per_round", "policy_loss_options", "rollout_world_size", "run_estimator_needs",
     "skips_old_log_prob_pass", "to_container", "validate_before_workers", "validate_config", "validate_model_folder",

@@ -34,6 +34,7 @@ from rlframe.workers.roles.critic import CriticWorker
 from rlframe.workers.roles.ref import RefWorker
 from rlframe.workers.roles.reward_model import RewardModelWorker
 from rlframe.workers.roles.rollout import RolloutWorker
+from rlframe.workers.roles.teacher import TeacherWorker
 
 
 def cluster_request(cfg: RLConfig, nodes: list[NodeInfo]) -> ClusterRequest:
@@ -111,6 +112,7 @@ class Workers:
     ref: RoleHandle | None = None
     critic: RoleHandle | None = None
     reward_model: RoleHandle | None = None
+    teacher: RoleHandle | None = None  # on-policy distillation (teacher.path)
     placement: list[dict] = field(default_factory=list)
     startup_extra: dict[str, float] = field(default_factory=dict)  # start-up parts outside the groups' own
 
@@ -152,7 +154,7 @@ class Workers:
 
 def trainer_roles(cfg: RLConfig, model_path: str, *, with_rollout: bool) -> dict:
     """The roles of the trainer pool: the actor (+ its engine when colocated), + ref (KL; under LoRA
-    the actor is the reference policy itself), + reward model, + critic (an estimator that needs values: gae)."""
+    the actor is the reference policy itself), + reward model, + teacher (distillation), + critic (an estimator that needs values: gae)."""
     actor_cls = ActorRolloutWorker if with_rollout else ActorWorker
     roles = {"actor_rollout": (actor_cls, {"settings": worker_settings.actor_settings(cfg, model_path,
                                                                                       with_rollout=with_rollout)})}
@@ -161,6 +163,9 @@ def trainer_roles(cfg: RLConfig, model_path: str, *, with_rollout: bool) -> dict
     if cfg.reward_model.enable:
         rm_path = resolve_model_path(cfg.reward_model.path)
         roles["reward_model"] = (RewardModelWorker, {"settings": worker_settings.reward_model_settings(cfg, rm_path)})
+    if worker_settings.uses_teacher(cfg):  # forward-only, on the actor's devices (workers/roles/teacher.py)
+        roles["teacher"] = (TeacherWorker, {"settings": worker_settings.teacher_settings(
+            cfg, resolve_model_path(cfg.teacher.path))})
     if configured_estimator_needs(cfg.algorithm).critic:
         critic_path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_path
         roles["critic"] = (CriticWorker, {"settings": worker_settings.critic_settings(cfg, critic_path)})
@@ -213,6 +218,7 @@ def start_workers(cfg: RLConfig, model_path: str) -> Workers:
                           groups[0].role("actor_rollout") if worker_settings.reference_is_actor(cfg) else None),
                       critic=groups[0].role("critic") if "critic" in roles else None,
                       reward_model=groups[0].role("reward_model") if "reward_model" in roles else None,
+                      teacher=groups[0].role("teacher") if "teacher" in roles else None,
                       placement=describe_placement(plans, groups, chosen), startup_extra=extra)
     info = actor_rollout.describe()[0]
     print(f"workers: {cfg.trainer.placement} placement; "

@@ -54,9 +54,10 @@ SECTIONS = {
     "algorithms": "Keys of the estimators and options that log their own (DAPO, partial and asynchronous rollouts).",
     "multi-turn": "Multi-turn rollouts with tools and environments, and agents through the gateway.",
     "stages": "The stages around RL: pt, sft, dpo, rm, rft and pair generation.",
+    "distillation": "On-policy distillation (teacher.path): how far the student is from the teacher on its own samples.",
 }
 
-R, V, A, C, RO, W, T, P, G, AL, MT, S = SECTIONS  # (the section names, in order)
+R, V, A, C, RO, W, T, P, G, AL, MT, S, D = SECTIONS  # (the section names, in order)
 
 METRICS: tuple[Metric, ...] = (
     # reward
@@ -196,7 +197,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("timing/step", T, "Seconds of the whole step.", "Stable; the ETA of the progress line uses its mean."),
     Metric("timing/*", T, "Seconds of one phase: rollout, reward, reward_wait_s (how long the driver waited for "
            "overlapped scoring), old_log_prob, ref_log_prob, values, advantage, update_critic, update, "
-           "weight_sync, validation, checkpoint, and the stages' own (pair_generation, rft_sampling).",
+           "weight_sync, validation, checkpoint, teacher_log_prob and student_topk (distillation), and the stages' own (pair_generation, rft_sampling).",
            "rollout and update dominate; weight_sync and reward stay small."),
     # the start-up profile (rlframe/trainer/startup.py), logged once: at step 0 with the validation before training
     # (without one, with the first step); also in <run_dir>/startup.json, with the exit
@@ -310,6 +311,24 @@ METRICS: tuple[Metric, ...] = (
     Metric("pairs/pairs", S, "Pairs kept (best and worst scores at least pairs.min_score_gap apart).",
            "Close to pairs/prompts: most prompts yield a pair."),
     Metric("pairs/sample_score_mean", S, "Mean score of the sampled replies.", ""),
+    # on-policy distillation (teacher.path; rlframe/algos/distillation.py)
+    Metric("distill/reverse_kl", D, "Per-token reverse KL estimate, mean of log pi(y_t) - log pi_T(y_t) over the "
+           "student's sampled tokens (k1) in the update's forward.", "Falls towards 0 as the student "
+           "approaches the teacher; 0 to float precision when teacher = student."),
+    Metric("distill/reverse_kl_k3", D, "The same KL by the k3 estimator, mean of exp(r) - 1 - r with r = log pi_T - "
+           "log pi (>= 0, lower variance).", "Falls; tracks distill/reverse_kl."),
+    Metric("distill/loss", D, "The distillation loss term of the step (distillation.loss_mode other than k1: "
+           "k3, forward_kl_topk, jsd, reverse_kl_student_topk), aggregated like the policy loss.", "Falls."),
+    Metric("distill/teacher_log_prob", D, "Mean teacher log-prob of the student's sampled tokens.",
+           "Rises towards 0 as the student samples what the teacher would."),
+    Metric("distill/teacher_topk_mass", D, "Mean probability mass of the teacher's top distillation.top_k tokens "
+           "per position.", "Near 1 for a confident teacher; low: the top-k losses see little of its distribution."),
+    Metric("distill/student_topk_mass", D, "Mean probability mass of the student's own top-k tokens per position.",
+           "Rises as the student sharpens."),
+    Metric("distill/student_mass_on_teacher_topk", D, "Mean student probability of the teacher's top-k tokens per "
+           "position.", "Rises towards distill/teacher_topk_mass."),
+    Metric("distill/topk_overlap", D, "Share of the teacher's top-k tokens that are also in the student's top-k, "
+           "per position.", "Rises towards 1; a collapse towards 0 makes top-k losses unstable."),
 )
 
 

@@ -3,6 +3,7 @@
     batch, scores = rollouts.next(step)                              # prompts -> n samples each; scoring starts
     batch = batch.union(actor_rollout.compute_log_prob(batch))       # (skipped when the update is on-policy)
     batch = batch.union(ref.compute_ref_log_prob(batch))             # when KL is used
+    batch = batch.union(teacher.compute_teacher_log_prob(batch))     # on-policy distillation (teacher.path)
     batch = batch.union(critic.compute_values(batch))                # when the estimator needs values (gae)
     scorer.join(batch, scores)                                       # token_level_scores
     token_level_rewards(batch)                                       # scores (- beta * KL in reward)
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from rlframe.algos import AdvantageConfig, get_advantage_estimator
 from rlframe.algos.batching import balanced_equal_size_partition
+from rlframe.algos.distillation import NEEDS_STUDENT_TOPK
 from rlframe.algos.plugins import register_configured_plugins
 from rlframe.config import RLConfig, to_container
 from rlframe.config.actor import skips_old_log_prob_pass
@@ -128,6 +130,8 @@ class RLTrainer(RunLoop):
         if self.ref is not None:
             with clock.timed("ref_log_prob"):
                 batch = batch.union(self.ref.compute_ref_log_prob(batch, _timeout=timeouts.log_prob))
+        if self.workers.teacher is not None:
+            batch = self.compute_teacher_log_prob(batch)
         if self.critic is not None:
             with clock.timed("values"):
                 batch = batch.union(self.critic.compute_values(batch, _timeout=timeouts.log_prob))
@@ -152,6 +156,16 @@ class RLTrainer(RunLoop):
         if cfg.trainer.gates.enable:
             metrics.update(self.check_gates(step, batch, metrics))
         return metrics
+
+    def compute_teacher_log_prob(self, batch: DataProto) -> DataProto:
+        """The teacher's log-probs of the sampled tokens and its top-k (rlframe/config/teacher.py); for
+        reverse_kl_student_topk first the student's top-k ids, which the teacher then scores."""
+        timeout = self.cfg.trainer.timeouts.log_prob
+        if self.cfg.distillation.loss_mode in NEEDS_STUDENT_TOPK:
+            with self.clock.timed("student_topk"):
+                batch = batch.union(self.actor_rollout.compute_student_topk(batch, _timeout=timeout))
+        with self.clock.timed("teacher_log_prob"):
+            return batch.union(self.workers.teacher.compute_teacher_log_prob(batch, _timeout=timeout))
 
     def check_gates(self, step: int, batch: DataProto, metrics: dict[str, float]) -> dict[str, float]:
         """The gates' signals and verdicts (gates/<name>); a `stop` gate logs the step's metrics, then raises."""
@@ -181,7 +195,8 @@ class RLTrainer(RunLoop):
         batch, times = self.trained_batch, self.clock.times
         generated = metrics.get("partial/generated_tokens", float(batch.batch["response_mask"].sum()))
         extras = {"perf/generated_tokens_per_s": generated / max(times["rollout"] + times.get("rollout_rounds", 0.0), 1e-9)}
-        forward_passes = sum(phase in times for phase in ("old_log_prob", "ref_log_prob", "values"))
+        forward_passes = sum(phase in times for phase in ("old_log_prob", "ref_log_prob", "values", "teacher_log_prob",
+                                                          "student_topk"))
         trained_passes = sum(phase in times for phase in ("update", "update_critic"))
         extras.update(perf.step_perf(self.model_shape, batch.batch["attention_mask"], batch.batch["response_mask"],
                                      times, metrics["timing/step"], forward_passes, trained_passes,

@@ -92,7 +92,8 @@ def engine_settings(cfg: RLConfig, role: str, model_path: str) -> EngineSettings
         trust_remote_code=cfg.model.trust_remote_code, **layout, **engine_offload(cfg, role),
         section=engine_section(cfg, actor.strategy), optim=engine_optim(cfg, role),
         lora=lora_settings(cfg) if role == "actor" else LoraSettings(), checkpoint_format=cfg.trainer.checkpoint_format,
-        freeze_vision_tower=actor.freeze_vision_tower and role == "actor")
+        freeze_vision_tower=actor.freeze_vision_tower and role == "actor",
+        top_k=student_top_k(cfg) if role == "actor" else 0)
 
 
 def actor_update_loop(cfg: RLConfig) -> UpdateLoop:
@@ -114,7 +115,41 @@ def policy_loss_settings(cfg: RLConfig) -> PolicyLossSettings:
         entropy_coeff=actor.entropy_coeff, use_kl_loss=algo.use_kl_loss,
         kl_loss_coef=algo.kl_loss_coef, kl_loss_type=algo.kl_loss_type,
         custom_loss_path=algo.custom_policy_loss.path, custom_loss_name=algo.custom_policy_loss.name,
-        tis_cap=algo.tis_cap if off_policy_correction(cfg) == "tis" else None)
+        tis_cap=algo.tis_cap if off_policy_correction(cfg) == "tis" else None,
+        **distillation_loss_settings(cfg))
+
+
+def uses_teacher(cfg: RLConfig) -> bool:
+    """On-policy distillation: teacher.path set (rlframe/config/teacher.py)."""
+    return cfg.teacher.path is not None
+
+
+def student_top_k(cfg: RLConfig) -> int:
+    """The actor engine's top-k outputs (distillation metrics and top-k losses): the fsdp engine without
+    sequence parallelism computes them; 0 otherwise (and without a teacher)."""
+    if not uses_teacher(cfg) or cfg.actor.strategy != "fsdp" or cfg.actor.ulysses_sequence_parallel_size > 1:
+        return 0
+    return cfg.distillation.top_k
+
+
+def distillation_loss_settings(cfg: RLConfig) -> dict:
+    if not uses_teacher(cfg):
+        return {}
+    d = cfg.distillation
+    return {"distill_mode": d.loss_mode, "distill_coef": d.coef, "distill_use_task_reward": d.use_task_reward,
+            "distill_beta": d.beta}
+
+
+def teacher_settings(cfg: RLConfig, teacher_path: str):
+    """The teacher's frozen fsdp engine (top-k per position) at temperature 1, on the actor's devices."""
+    from rlframe.workers.roles.teacher import TeacherSettings
+
+    engine = EngineSettings(model_path=teacher_path, strategy="fsdp", head="causal_lm", device=device_request(cfg),
+                            trust_remote_code=cfg.model.trust_remote_code,
+                            use_remove_padding=str(cfg.actor.use_remove_padding), top_k=cfg.distillation.top_k)
+    forward = ForwardSettings(micro_batch_size=cfg.teacher.micro_batch_size,
+                              max_tokens_per_micro_batch=cfg.actor.log_prob_max_token_len_per_device, temperature=1.0)
+    return TeacherSettings(engine=engine, forward=forward, offload=cfg.teacher.offload)
 
 
 def log_prob_settings(cfg: RLConfig) -> ForwardSettings:

@@ -9,7 +9,8 @@ time, which is what weight sync streams into the rollout engine.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -135,8 +136,34 @@ def _logits_at(model: nn.Module, keep: int | torch.Tensor, **inputs) -> torch.Te
     return logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]
 
 
+@dataclass
+class TopKRequest:
+    """What a forward also computes per response position, for on-policy distillation (rlframe/algos/distillation.py).
+
+    k > 0: this model's own top-k, out["topk_ids"] [B, R, k] (int64) and out["topk_log_probs"] [B, R, k];
+    gather: name -> token ids [B, R, K]: this model's log-probs of those ids, out["at_" + name] [B, R, K].
+    Log-probs at the forward's temperature; zero (ids 0) on padding positions. Filled in by the forward.
+    """
+
+    k: int = 0
+    gather: dict[str, torch.Tensor] = field(default_factory=dict)
+    out: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def fill(self, logits: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor],
+             to_grid: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """From the (temperature-scaled) logits of the response positions; `pick` maps a [B, R, K] grid to the
+        logits' leading layout, `to_grid` maps back."""
+        from rlframe.algos.distillation import log_probs_at, top_k_log_probs
+
+        if self.k > 0:
+            ids, values = top_k_log_probs(logits, self.k)
+            self.out["topk_ids"], self.out["topk_log_probs"] = to_grid(ids), to_grid(values)
+        for name, ids in self.gather.items():
+            self.out["at_" + name] = to_grid(log_probs_at(logits, pick(ids.to(logits.device))))
+
+
 def _response_scores(response_logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                     response_width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     response_width: int, topk: TopKRequest | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of `targets` under `response_logits / temperature`, zero-padded on the
     right to `response_width` columns (the trimmed padding columns shared by all rows)."""
     from rlframe.algos import entropy_from_logits, log_probs_from_logits
@@ -146,6 +173,10 @@ def _response_scores(response_logits: torch.Tensor, targets: torch.Tensor, tempe
     log_probs = log_probs_from_logits(response_logits, targets, chunk_size=LOGIT_CHUNK)
     entropy = entropy_from_logits(response_logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
     pad = response_width - targets.size(1)
+    if topk is not None:
+        kept = targets.size(1)
+        topk.fill(response_logits, lambda grid: grid[:, :kept],
+                  lambda values: torch.nn.functional.pad(values, (0, 0, 0, pad)) if pad else values)
     if pad:
         log_probs = torch.nn.functional.pad(log_probs, (0, pad))
         entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
@@ -156,15 +187,20 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
                                position_ids: torch.Tensor, response_width: int, temperature: float = 1.0,
                                with_entropy: bool = False, packed: bool = False,
                                sp: SequenceParallelGroup | None = None,
-                               multi_modal_inputs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               multi_modal_inputs=None, topk: TopKRequest | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens under `model`, shape [B, response_width].
 
     log p(y_t | x, y_<t) = log_softmax(logits_{t-1} / temperature)[y_t]; padding columns shared by
     all rows are trimmed before the forward pass and the result is zero-padded back. The LM head
     runs only on the positions that predict a response token. `sp` (packed only): Ulysses sequence
-    parallelism; every rank of the group passes the same micro-batch and gets the same result.
+    parallelism; every rank of the group passes the same micro-batch and gets the same result. `topk`:
+    top-k outputs for distillation (TopKRequest; text models, no sequence parallelism).
     """
-    if multi_modal_inputs is not None or getattr(getattr(model, "config", None), "vision_config", None) is not None:
+    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
+    if topk is not None and (multi_modal_inputs is not None or vision or sp is not None):
+        raise ValueError("top-k log-probs (distillation) are computed for text models without sequence parallelism")
+    if multi_modal_inputs is not None or vision:
         if multi_modal_inputs is None:  # a vision-language model on text rows: still 3-D (or 4-row packed) positions
             multi_modal_inputs = [None] * input_ids.size(0)
         return _multimodal_response_log_probs(model, input_ids, attention_mask, position_ids, response_width,
@@ -173,7 +209,7 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
         raise ValueError("sequence parallelism runs on packed rows (actor.use_remove_padding)")
     if packed:
         return _packed_response_log_probs(model, input_ids, attention_mask, position_ids, response_width,
-                                          temperature, with_entropy, sp)
+                                          temperature, with_entropy, sp, topk)
     start, end = trim_padding_columns(attention_mask, response_width)
     prompt_width = input_ids.size(1) - response_width
     kept_response = end - prompt_width
@@ -183,13 +219,13 @@ def forward_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
                                  attention_mask=attention_mask[:, start:end],
                                  position_ids=position_ids[:, start:end])[:, :-1]
     return _response_scores(response_logits, input_ids[:, prompt_width:end], temperature, with_entropy,
-                            response_width)
+                            response_width, topk)
 
 
 def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                position_ids: torch.Tensor, response_width: int, temperature: float,
-                               with_entropy: bool, sp: SequenceParallelGroup | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               with_entropy: bool, sp: SequenceParallelGroup | None = None,
+                               topk: TopKRequest | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Padding-free variant: all real tokens of the micro-batch packed in one row.
 
     The model sees one sequence of sum(lengths) tokens whose position ids restart at 0 for each
@@ -240,10 +276,13 @@ def _packed_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attent
     in_response = response_tokens[:, prompt_width:]
 
     def to_response_grid(values: torch.Tensor) -> torch.Tensor:
-        grid = torch.zeros(in_response.shape, dtype=values.dtype, device=values.device)
+        grid = torch.zeros(in_response.shape + values.shape[1:], dtype=values.dtype, device=values.device)
         grid[in_response] = values
         return grid
 
+    if topk is not None:  # (sp is None: checked by the caller)
+        topk.fill(logits / temperature if temperature != 1.0 else logits, lambda grid: grid[in_response],
+                  to_response_grid)
     return to_response_grid(log_probs), (to_response_grid(entropy) if entropy is not None else None)
 
 

@@ -90,6 +90,13 @@ class ActorRolloutWorker:
         return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_student_topk(self, data: DataProto) -> DataProto:
+        """Distillation over the student's top-k (reverse_kl_student_topk): the ids of its top-k per response
+        position, [B, R, K] (the teacher then scores them; engine top_k > 0)."""
+        out = self.engine.forward(data, self.settings.log_prob)
+        return DataProto.from_dict(tensors={"student_topk_ids": out["topk_ids"]})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """LoRA only: the reference policy is the frozen base, i.e. this model with its adapters disabled."""
         with self.engine.adapters_disabled():

@@ -25,8 +25,8 @@ from rlframe.protocol import DataProto
 from rlframe.workers.engine.base import MODEL_INPUTS, TrainingEngine
 from rlframe.workers.engine import lora as lora_lib
 from rlframe.workers.engine.checkpoint import load_engine_state, save_engine_state
-from rlframe.workers.engine.hf_model import (build_causal_lm, forward_response_log_probs, iter_full_weights,
-                                             needs_sharding, shard_model)
+from rlframe.workers.engine.hf_model import (TopKRequest, build_causal_lm, forward_response_log_probs,
+                                             iter_full_weights, needs_sharding, shard_model)
 from rlframe.workers.engine.value_model import build_value_model, forward_response_values
 from rlframe.workers.sequence_parallel import SequenceParallelGroup, gather_rows
 from rlframe.workers.settings import EngineSettings, OptimSettings
@@ -36,6 +36,11 @@ def use_remove_padding(setting: str, profile: DeviceProfile) -> bool:
     """auto: packed rows unless attention is eager (models outside transformers' attention interface)."""
     setting = str(setting).lower()
     return profile.attn_implementation != "eager" if setting == "auto" else setting == "true"
+
+
+# The top-k ids of one model that the other model's forward scores (distillation): the teacher's (read by the
+# student's training forward) and the student's (read by the teacher, reverse_kl_student_topk).
+TOPK_ID_KEYS = ("teacher_topk_ids", "student_topk_ids")
 
 
 class FSDPEngine(TrainingEngine):
@@ -106,11 +111,22 @@ class FSDPEngine(TrainingEngine):
         inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS}
         if self.value_head:
             return {"values": forward_response_values(self.model, **inputs, response_width=response_width)}
+        topk = self.topk_request(micro)
         log_probs, entropy = forward_response_log_probs(self.model, **inputs, response_width=response_width,
                                                         temperature=temperature, with_entropy=with_entropy,
                                                         packed=self.packed, sp=self.sp,
-                                                        multi_modal_inputs=micro.non_tensor_batch.get("multi_modal_inputs"))
-        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+                                                        multi_modal_inputs=micro.non_tensor_batch.get("multi_modal_inputs"),
+                                                        topk=topk)
+        out = {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+        return out if topk is None else {**out, **topk.out}
+
+    def topk_request(self, micro: DataProto) -> TopKRequest | None:
+        """Distillation (settings.top_k > 0): this model's own top-k, and its log-probs at the other model's top-k
+        ids when the micro-batch carries them (TOPK_ID_KEYS); None otherwise."""
+        if self.settings.top_k <= 0:
+            return None
+        keys = set(micro.batch.keys())
+        return TopKRequest(k=self.settings.top_k, gather={key: micro.batch[key] for key in TOPK_ID_KEYS if key in keys})
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

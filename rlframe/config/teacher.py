@@ -1,0 +1,128 @@
+"""The `teacher:` and `distillation:` sections (on-policy distillation from a frozen teacher) and their checks.
+
+    teacher: {path: <an HF folder>}                  # a second, frozen model scoring the student's own samples
+    distillation: {loss_mode: k1, coef: 1.0, use_task_reward: false, top_k: 8}
+
+With `teacher.path` set, a colocated forward-only teacher role (workers/roles/teacher.py) computes, for every
+sampled token, the teacher's log-prob of it and the teacher's top-k tokens; the loss is one entry of
+rlframe/algos/distillation.py (`DISTILLATION_LOSSES`). Teacher and student must share the tokenizer and chat
+template (checked before any worker starts): cross-tokenizer distillation (TRL's GOLD) is not supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rlframe.bounds import bounded, one_of
+
+LOSS_MODES = ("k1", "k3", "forward_kl_topk", "jsd", "reverse_kl_student_topk")
+TOPK_MODES = ("forward_kl_topk", "jsd", "reverse_kl_student_topk")  # the modes that read top-k log-probs
+
+
+@dataclass
+class TeacherConfig:
+    # the teacher's weights: a local HF folder (e.g. <run_dir>/hf_model of recipe=sft_math) or an embedded model
+    # name; unset (null): no teacher, no distillation
+    path: Optional[str] = None
+    micro_batch_size: int = bounded(16, ">= 1")  # sequences per teacher forward pass, per device
+    # the teacher's softmax temperature; distillation reads the teacher's own distribution, so only 1 is accepted
+    temperature: float = 1.0
+    # release the teacher's weights between uses (GPU: parameters on the host; CPU: its file-mapped pages)
+    offload: bool = True
+    # set by a recipe that distils (opd_math): teacher.path must then be given
+    required: bool = False
+
+
+@dataclass
+class DistillationConfig:
+    # k1: per-token reverse KL as a dense advantage, A_t - coef * (log pi - log pi_T), with the policy-gradient loss |
+    # k3: the k3 estimator of KL(pi || pi_T) as a loss term | forward_kl_topk: KL(teacher || student) over the
+    # teacher's top-k (+ one tail bucket; GKD) | jsd: generalized Jensen-Shannon with `beta` over the same buckets |
+    # reverse_kl_student_topk: KL(student || teacher) over the student's top-k (+ tail)
+    loss_mode: str = one_of("k1", LOSS_MODES)
+    coef: float = bounded(1.0, "> 0")  # weight of the distillation term (k1: of the KL in the advantage)
+    # also train on the task reward (the configured advantage estimator); false: distillation alone
+    use_task_reward: bool = False
+    # tokens per position in the top-k losses and the top-k metrics (teacher/student mass, overlap)
+    top_k: int = bounded(8, ">= 1")
+    # jsd: the mixture weight, M = beta * p_teacher + (1 - beta) * p_student (0.5: the symmetric JSD)
+    beta: float = bounded(0.5, "(0, 1)")
+
+
+# ------------------------------------------------------------------------------------ checks
+def teacher_temperature_is_one(cfg, need) -> None:
+    need(cfg.teacher.temperature == 1.0, "teacher.temperature",
+         f"is {cfg.teacher.temperature}; distillation matches the teacher's own distribution: set it to 1")
+
+
+def teacher_given_when_required(cfg, need) -> None:
+    need(not cfg.teacher.required or cfg.teacher.path is not None, "teacher.path",
+         "this recipe distils from a teacher: give one. Fix: teacher.path=<an HF folder>, e.g. the hf_model of a "
+         "recipe=sft_math run (python -m rlframe.main recipe=opd_math teacher.path=<run_dir>/hf_model)")
+
+
+def teacher_path_resolves(cfg, need) -> None:
+    from rlframe.config.checks import local_model_dir
+    from rlframe.models.provision import EMBEDDED_MODELS
+
+    path = cfg.teacher.path
+    if path is None:
+        return
+    need(path in EMBEDDED_MODELS or local_model_dir(path) is not None, "teacher.path",
+         f"'{path}' is not a model folder with a config.json (nor an embedded model). "
+         "Fix: point it at an HF folder, e.g. the hf_model of a recipe=sft_math run")
+
+
+def topk_losses_on_fsdp(cfg, need) -> None:
+    """The top-k losses gather the student's log-softmax at the teacher's ids inside the FSDP engine's forward."""
+    if cfg.teacher.path is None or cfg.distillation.loss_mode not in TOPK_MODES:
+        return
+    need(cfg.actor.strategy == "fsdp", "distillation.loss_mode",
+         f"{cfg.distillation.loss_mode} needs the top-k log-probs of the fsdp engine (actor.strategy={cfg.actor.strategy}). "
+         "Fix: actor.strategy=fsdp, or distillation.loss_mode=k1 / k3")
+    need(cfg.actor.ulysses_sequence_parallel_size <= 1, "distillation.loss_mode",
+         f"{cfg.distillation.loss_mode} is not implemented with sequence parallelism. "
+         "Fix: actor.ulysses_sequence_parallel_size=1, or distillation.loss_mode=k1 / k3")
+
+
+def teacher_colocated(cfg, need) -> None:
+    need(cfg.teacher.path is None or cfg.trainer.placement == "colocated", "teacher.path",
+         "the teacher is a colocated role: set trainer.placement=colocated")
+
+
+CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp, teacher_colocated)
+
+
+def _tokenizer_fingerprint(folder: str) -> dict:
+    """What must agree between teacher and student: the vocabulary, the special tokens, the chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return {"vocabulary": tok.get_vocab(), "eos token": tok.eos_token, "pad token": tok.pad_token,
+            "chat template": getattr(tok, "chat_template", None)}
+
+
+def teacher_tokenizer_matches(cfg, need, model_dir) -> None:
+    """The teacher's tokenizer and chat template equal the student's (token ids mean the same to both);
+    checked once both folders are on this machine."""
+    from rlframe.config.checks import local_model_dir
+
+    if cfg.teacher.path is None or model_dir is None:
+        return
+    teacher_dir = local_model_dir(cfg.teacher.path)
+    if teacher_dir is None:
+        return
+    try:
+        student, teacher = _tokenizer_fingerprint(model_dir), _tokenizer_fingerprint(teacher_dir)
+    except (OSError, ValueError) as error:
+        need(False, "teacher.path", f"cannot read the tokenizer of {teacher_dir} or {model_dir}: {error}")
+        return
+    differ = [name for name in student if student[name] != teacher[name]]
+    need(not differ, "teacher.path",
+         f"the teacher {teacher_dir} and the student {model_dir} differ in their {', '.join(differ)}: the teacher "
+         "would score token ids that mean something else to it. Cross-tokenizer distillation is not supported. "
+         "Fix: a teacher with the student's tokenizer and chat template")
+
+
+FOLDER_CHECKS = (teacher_tokenizer_matches,)

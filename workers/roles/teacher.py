@@ -1,0 +1,66 @@
+"""The teacher role (on-policy distillation): a frozen second model scoring the student's own samples.
+
+Like the reference worker it is forward-only and colocated (it shares the actor's devices); it differs in
+what it returns for every response position: the teacher's log-prob of the sampled token, its own top-k
+tokens (ids + log-probs) and, when the batch carries the student's top-k ids (reverse_kl_student_topk),
+its log-probs of those. Temperature 1 (the teacher's own distribution). Between uses its weights leave the
+device (GPU: the model moves to the host; CPU: the file-mapped pages are released, as the reference's).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from rlframe.controller import Dispatch, register
+from rlframe.protocol import DataProto
+from rlframe.workers.engine import build_engine
+from rlframe.workers.host_pages import release_file_mapped_pages
+from rlframe.workers.settings import EngineSettings, ForwardSettings
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    engine: EngineSettings  # the teacher's folder; top_k > 0 (its top-k per position)
+    forward: ForwardSettings  # micro-batch size; temperature 1
+    offload: bool = True  # weights off the device between uses
+
+
+class TeacherWorker:
+    def __init__(self, settings: TeacherSettings):
+        self.settings = settings
+        self.profile = settings.engine.device.profile()
+        self.engine = build_engine(settings.engine, self.profile, name="teacher")
+        self.moves_model = self.profile.is_gpu and settings.offload and not self.engine.sharded
+        if self.moves_model:
+            self.engine.model.to("cpu")
+
+    @contextmanager
+    def on_device(self):
+        """The weights on the device for one pass, and off it afterwards (settings.offload)."""
+        if self.moves_model:
+            self.engine.model.to(self.engine.device)
+        try:
+            yield
+        finally:
+            if self.moves_model:
+                self.engine.model.to("cpu")
+                torch.cuda.empty_cache()
+            elif self.settings.offload and not self.profile.is_gpu:
+                release_file_mapped_pages(self.engine.model.parameters())
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        """teacher_log_prob [B, R]; teacher_topk_ids / teacher_topk_log_probs [B, R, K]; with student_topk_ids in
+        the batch, teacher_at_student_topk [B, R, K]."""
+        inputs = data.select(batch_keys=[k for k in ("input_ids", "attention_mask", "position_ids", "responses",
+                                                     "response_mask", "student_topk_ids") if k in data.batch.keys()])
+        with self.on_device():
+            out = self.engine.forward(inputs, self.settings.forward)
+        tensors = {"teacher_log_prob": out["log_probs"], "teacher_topk_ids": out["topk_ids"],
+                   "teacher_topk_log_probs": out["topk_log_probs"]}
+        if "at_student_topk_ids" in out:
+            tensors["teacher_at_student_topk"] = out["at_student_topk_ids"]
+        return DataProto.from_dict(tensors=tensors)
