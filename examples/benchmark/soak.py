@@ -99,26 +99,35 @@ def object_store_bytes() -> int | None:
 
 
 class Sampler(threading.Thread):
-    """Records one sample per step logged in metrics.jsonl: RSS of each process, object store bytes."""
+    """Records one sample per step logged in metrics.jsonl: RSS of each process, object store bytes; with
+    `trace_steps` (first, last), the driver's Python heap (tracemalloc) and live objects by type at those two steps."""
 
-    def __init__(self, metrics: Path):
+    def __init__(self, metrics: Path, trace_steps: tuple[int, int] | None = None):
         super().__init__(daemon=True)
         self.metrics, self.samples, self.done = metrics, [], threading.Event()
+        self.trace_steps, self.traces = trace_steps, {}
 
     def run(self) -> None:
-        seen = 0
+        offset = 0
         while not self.done.is_set():
-            steps = self.logged_steps()
-            if len(steps) > seen:
-                seen = len(steps)
+            steps, offset = self.logged_steps(offset)
+            if steps:
                 self.samples.append(self.sample(steps[-1]))
+                if self.trace_steps and any(steps[-1] >= t and t not in self.traces for t in self.trace_steps):
+                    self.traces[next(t for t in self.trace_steps if steps[-1] >= t and t not in self.traces)] = trace()
             time.sleep(0.05)
 
-    def logged_steps(self) -> list[int]:
+    def logged_steps(self, offset: int) -> tuple[list[int], int]:
+        """The steps logged since byte `offset` of metrics.jsonl (the file is read from there on, not whole each
+        time: the sampler itself must not grow with the run) and the offset after the last complete line."""
         if not self.metrics.exists():
-            return []
-        lines = self.metrics.read_text().splitlines()
-        return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+            return [], offset
+        with open(self.metrics, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        lines = chunk[:end].decode().splitlines()
+        return [json.loads(line)["step"] for line in lines if line.endswith("}")], offset + end
 
     def sample(self, step: int) -> dict:
         driver = psutil.Process()
@@ -129,6 +138,31 @@ class Sampler(threading.Thread):
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         return {"step": step, "time": time.time(), "rss": rss, "object_store_bytes": object_store_bytes()}
+
+
+def trace() -> dict:
+    """The driver's tracemalloc snapshot and its live objects counted by type (after a full collection)."""
+    import gc
+    import tracemalloc
+    from collections import Counter
+
+    gc.collect()
+    counts = Counter(type(o).__qualname__ for o in gc.get_objects())
+    return {"snapshot": tracemalloc.take_snapshot(), "objects": counts, "traced": tracemalloc.get_traced_memory()[0]}
+
+
+def trace_report(first: dict, last: dict, steps: int, top: int = 25) -> list[str]:
+    """What grew in the driver's Python heap between the two traced steps: by allocation site and by type."""
+    mib = 1 << 20
+    lines = [f"driver Python heap (tracemalloc): {first['traced'] / mib:.1f} -> {last['traced'] / mib:.1f} MiB over "
+             f"{steps} steps ({100 * (last['traced'] - first['traced']) / steps / mib:+.3f} MiB per 100 steps)",
+             "grown most, by allocation site (size change, count change):"]
+    for stat in last["snapshot"].compare_to(first["snapshot"], "traceback")[:top]:
+        frames = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in stat.traceback[:4])
+        lines.append(f"  {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d}  {frames}")
+    grown = (last["objects"] - first["objects"]).most_common(top)
+    lines.append("live objects grown most, by type: " + ", ".join(f"{name} {n:+d}" for name, n in grown))
+    return lines
 
 
 # ------------------------------------------------------------------ the figures
@@ -172,6 +206,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--trace", action="store_true",
+                        help="also trace the driver's Python heap (tracemalloc, 8 frames) and print what grew between "
+                             "the end of the warm-up and the last step (slower)")
     parser.add_argument("overrides", nargs="*", help="more key=value overrides for rlframe.main")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlframe_soak_")).resolve()
@@ -181,7 +218,12 @@ def main() -> None:
     argv = ["recipe=grpo_math", *TINY, f"model.path={model}", f"trainer.run_dir={run_dir}",
             f"rollout.engine={args.engine}", f"trainer.total_steps={args.steps}", *args.overrides]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    sampler = Sampler(run_dir / "metrics.jsonl")
+    trace_steps = (max(1, args.steps // 10) + 1, args.steps - 2) if args.trace else None
+    if args.trace:
+        import tracemalloc
+
+        tracemalloc.start(8)
+    sampler = Sampler(run_dir / "metrics.jsonl", trace_steps)
     sampler.start()
     start = time.perf_counter()
     from rlframe.main import main as rlframe_main
@@ -197,6 +239,10 @@ def main() -> None:
           f"samples in {workdir / 'soak.json'}")
     for line in report(sampler.samples, args.steps):
         print(line)
+    if args.trace and len(sampler.traces) == 2:
+        (first_step, first), (last_step, last) = sorted(sampler.traces.items())
+        for line in trace_report(first, last, last_step - first_step):
+            print(line)
 
 
 if __name__ == "__main__":
