@@ -8,7 +8,10 @@ thread beside it. After each step appears in metrics.jsonl the thread records th
 driver) and of every process under it (the worker actors, Ray's raylet / GCS / agents, reward workers) and
 the bytes in Ray's object store (what `ray memory --stats-only` reads). At the end it prints, per process, the
 RSS at the first and last sampled step and the least-squares slope per 100 steps after a warm-up (the first
-10% of the steps), and the same for the object store; every sample goes to <workdir>/soak.json.
+10% of the steps), and the same for the object store and for the bytes glibc's malloc holds for the driver
+(mallinfo2: RSS growing with these flat is fragmentation, not something kept); every sample goes to
+<workdir>/soak.json (one line each to soak_samples.jsonl while it runs: the sampler keeps none in the driver it
+measures). `--trace` adds tracemalloc snapshots of the driver at the warm-up's end and the last steps.
 
 The model is the test suite's tiny random Llama (2 layers, hidden 128, its byte-level BPE tokenizer), the task
 the generated arithmetic set at the test sizes (4 prompts x 2 samples of 16 tokens), a checkpoint every 100
@@ -102,17 +105,23 @@ class Sampler(threading.Thread):
     """Records one sample per step logged in metrics.jsonl: RSS of each process, object store bytes; with
     `trace_steps` (first, last), the driver's Python heap (tracemalloc) and live objects by type at those two steps."""
 
-    def __init__(self, metrics: Path, trace_steps: tuple[int, int] | None = None):
+    def __init__(self, metrics: Path, out: Path, trace_steps: tuple[int, int] | None = None):
         super().__init__(daemon=True)
-        self.metrics, self.samples, self.done = metrics, [], threading.Event()
+        self.metrics, self.out, self.done = metrics, out, threading.Event()
         self.trace_steps, self.traces = trace_steps, {}
+
+    @property
+    def samples(self) -> list[dict]:
+        """Every sample so far (they go to `out`, one JSON line each, not to a list in the process they measure)."""
+        return [json.loads(line) for line in self.out.read_text().splitlines()] if self.out.exists() else []
 
     def run(self) -> None:
         offset = 0
         while not self.done.is_set():
             steps, offset = self.logged_steps(offset)
             if steps:
-                self.samples.append(self.sample(steps[-1]))
+                with open(self.out, "a") as f:
+                    f.write(json.dumps(self.sample(steps[-1])) + "\n")
                 if self.trace_steps and any(steps[-1] >= t and t not in self.traces for t in self.trace_steps):
                     self.traces[next(t for t in self.trace_steps if steps[-1] >= t and t not in self.traces)] = trace()
             time.sleep(0.05)
@@ -137,7 +146,27 @@ class Sampler(threading.Thread):
                 rss[process_label(proc)] = proc.memory_info().rss
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        return {"step": step, "time": time.time(), "rss": rss, "object_store_bytes": object_store_bytes()}
+        return {"step": step, "time": time.time(), "rss": rss, "object_store_bytes": object_store_bytes(),
+                "driver_malloc": malloc_in_use()}
+
+
+def malloc_in_use() -> dict | None:
+    """glibc's own count for this process (mallinfo2): bytes handed out by malloc and not freed (`in_use`, the
+    heap and its mmapped blocks) and the heap's free bytes (`free`): RSS growing with `in_use` flat is the heap
+    fragmenting, not something kept. None off glibc."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        info = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return None
+    return {"in_use": info.uordblks + info.hblkhd, "free": info.fordblks}
 
 
 def trace() -> dict:
@@ -190,6 +219,10 @@ def report(samples: list[dict], steps: int) -> list[str]:
         if len(points) < 0.5 * len(warm):  # a process that came and went (an idle Ray worker, a short helper)
             continue
         lines.append(f"{label:<44} {points[0][1]:>7.1f} MiB {points[-1][1]:>7.1f} MiB {slope_per_100(points):>+12.2f} MiB")
+    malloc = [(s["step"], s["driver_malloc"]["in_use"] / mib) for s in warm if s.get("driver_malloc")]
+    if malloc:
+        lines.append(f"{'driver: malloc in use (glibc mallinfo2)':<44} {malloc[0][1]:>7.1f} MiB {malloc[-1][1]:>7.1f} MiB "
+                     f"{slope_per_100(malloc):>+12.2f} MiB")
     total = [(s["step"], sum(s["rss"].values()) / mib) for s in warm]
     lines.append(f"{'all processes':<44} {total[0][1]:>7.1f} MiB {total[-1][1]:>7.1f} MiB {slope_per_100(total):>+12.2f} MiB")
     store = [(s["step"], s["object_store_bytes"]) for s in warm if s["object_store_bytes"] is not None]
@@ -223,7 +256,8 @@ def main() -> None:
         import tracemalloc
 
         tracemalloc.start(8)
-    sampler = Sampler(run_dir / "metrics.jsonl", trace_steps)
+    (workdir / "soak_samples.jsonl").unlink(missing_ok=True)
+    sampler = Sampler(run_dir / "metrics.jsonl", workdir / "soak_samples.jsonl", trace_steps)
     sampler.start()
     start = time.perf_counter()
     from rlframe.main import main as rlframe_main
@@ -234,10 +268,11 @@ def main() -> None:
     finally:
         sampler.done.set()
         sampler.join(timeout=5)
-        (workdir / "soak.json").write_text(json.dumps({"argv": argv, "samples": sampler.samples}))
+        samples = sampler.samples
+        (workdir / "soak.json").write_text(json.dumps({"argv": argv, "samples": samples}))
     print(f"\nsoak: {args.steps} steps ({args.engine} rollout) in {time.perf_counter() - start:.0f} s; "
           f"samples in {workdir / 'soak.json'}")
-    for line in report(sampler.samples, args.steps):
+    for line in report(samples, args.steps):
         print(line)
     if args.trace and len(sampler.traces) == 2:
         (first_step, first), (last_step, last) = sorted(sampler.traces.items())
