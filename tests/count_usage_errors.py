@@ -36,7 +36,7 @@ def main() -> int:
                 "trainer.total_steps=1", "data.arithmetic.n_train=16", "data.arithmetic.n_val=4", *extra]
 
     assert before_start(base()) is None, "the base configuration itself is refused"
-    cases = [(name, lambda overrides=overrides: overrides, expected) for name, (overrides, expected) in CONFIG_CASES.items()]
+    cases = [(name, lambda tmp, overrides=overrides: overrides, expected) for name, (overrides, expected) in CONFIG_CASES.items()]
     cases += [(name, setup, expected) for name, (setup, expected) in FILE_CASES.items()]
     refused, missed = 0, []
     for i, (name, setup, expected) in enumerate(cases):
