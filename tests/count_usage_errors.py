@@ -48,6 +48,8 @@ def main() -> int:
             refused += 1
         except AssertionError as error:
             missed.append(f"{name}: {str(error).splitlines()[0] if str(error) else 'AssertionError'}")
+        except Exception as error:  # noqa: BLE001  (what a user would see as a traceback)
+            missed.append(f"{name}: a traceback ({type(error).__name__}: {str(error).splitlines()[0][:120]})")
     print(f"{len(cases)} bad inputs ({len(CONFIG_CASES)} settings, {len(FILE_CASES)} files/rows/reward files); "
           f"{refused} refused before start with a one-screen `error:` naming the key or file; Ray started: {ray_started()}")
     for line in missed:
