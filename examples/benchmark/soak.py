@@ -147,7 +147,21 @@ class Sampler(threading.Thread):
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         return {"step": step, "time": time.time(), "rss": rss, "object_store_bytes": object_store_bytes(),
-                "driver_malloc": malloc_in_use()}
+                "driver_malloc": malloc_in_use(), "driver_rss_kinds": rss_kinds(), "driver_threads": threading.active_count()}
+
+
+def rss_kinds() -> dict[str, int]:
+    """This process's RSS split as Linux counts it (/proc/self/status): RssAnon (heap, stacks, anonymous mmaps),
+    RssFile (mapped files: libraries), RssShmem (shared memory: Ray's object store pages this process touched)."""
+    kinds = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                name, value = line.split(":")
+                kinds[name] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return kinds
 
 
 def malloc_in_use() -> dict | None:
@@ -223,6 +237,14 @@ def report(samples: list[dict], steps: int) -> list[str]:
     if malloc:
         lines.append(f"{'driver: malloc in use (glibc mallinfo2)':<44} {malloc[0][1]:>7.1f} MiB {malloc[-1][1]:>7.1f} MiB "
                      f"{slope_per_100(malloc):>+12.2f} MiB")
+    for kind in ("RssAnon", "RssFile", "RssShmem"):
+        points = [(s["step"], s["driver_rss_kinds"][kind] / mib) for s in warm if kind in s.get("driver_rss_kinds", {})]
+        if points:
+            lines.append(f"{'driver: ' + kind:<44} {points[0][1]:>7.1f} MiB {points[-1][1]:>7.1f} MiB "
+                         f"{slope_per_100(points):>+12.2f} MiB")
+    threads = [s["driver_threads"] for s in warm if "driver_threads" in s]
+    if threads:
+        lines.append(f"{'driver: threads':<44} {threads[0]:>10} {threads[-1]:>10}")
     total = [(s["step"], sum(s["rss"].values()) / mib) for s in warm]
     lines.append(f"{'all processes':<44} {total[0][1]:>7.1f} MiB {total[-1][1]:>7.1f} MiB {slope_per_100(total):>+12.2f} MiB")
     store = [(s["step"], s["object_store_bytes"]) for s in warm if s["object_store_bytes"] is not None]
