@@ -167,3 +167,20 @@ def test_the_gates_history_survives_a_checkpoint():
     restored.load_state_dict(json.loads(json.dumps(resumed.state_dict())))
     assert whole.check(3, steady) == restored.check(3, steady)
     assert restored.check(4, steady)["gates/constant_reward"] == 1.0 and restored.first_entropy == 0.4
+
+
+def test_a_gate_that_fires_every_step_keeps_the_driver_bounded(tmp_path):
+    """Gates that warn on every step (a random model: every group scores the same) keep FIRED_KEPT events in
+    memory, however long the run; every event still reaches gates.jsonl (issue 44: the soak's driver grew by two
+    GateEvents a step)."""
+    from rlframe.trainer.gates import FIRED_KEPT
+
+    gates = Gates(GatesConfig(constant_reward_steps=2), "float32", tmp_path)
+    steady = {"reward/zero_variance_groups": 1.0, "reward/score_std": 0.0, "rollout/sampled_nll": 0.4}
+    steps = 3 * FIRED_KEPT
+    for step in range(1, steps + 1):
+        gates.check(step, steady)
+    logged = [json.loads(line) for line in (tmp_path / "gates.jsonl").read_text().splitlines()]
+    assert len(logged) > 2 * FIRED_KEPT  # both gates fire on (nearly) every step
+    assert len(gates.fired) == FIRED_KEPT
+    assert [(e.name, e.step) for e in gates.fired] == [(r["name"], r["step"]) for r in logged[-FIRED_KEPT:]]

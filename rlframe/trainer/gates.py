@@ -168,6 +168,9 @@ def run_dtype(model_dtype: str, on_gpu: bool) -> str:
 
 
 # ------------------------------------------------------------------------------------ the gates of a run
+FIRED_KEPT = 64  # events Gates.fired keeps in memory (the doctor's one step fires at most one per gate)
+
+
 class Gates:
     """Runs every enabled rule after each step; keeps the few steps of history the rules need."""
 
@@ -179,7 +182,9 @@ class Gates:
         self.stds: deque = deque(maxlen=longest)
         self.entropies: deque = deque(maxlen=longest)
         self.first_entropy: float | None = None
-        self.fired: list[GateEvent] = []
+        # the latest events (the doctor reads its one step's); every one is in <run_dir>/gates.jsonl. Bounded: a
+        # gate that warns every step of a long run must not grow the driver (issue 44's soak: 2 events a step)
+        self.fired: deque[GateEvent] = deque(maxlen=FIRED_KEPT)
 
     def evaluate(self, step: int, metrics: dict[str, float], sync_check: dict | None) -> dict[str, GateEvent | None]:
         """Each enabled gate's event (None: it held) for this step; updates the history."""
