@@ -54,7 +54,12 @@ def ramp(n: int, size: int = 56) -> np.ndarray:
 
 
 def write_rows(path, rows) -> str:
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    """Parquet when the rows share one layout; JSON lines otherwise (a parquet column holds one type)."""
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        path = path.with_suffix(".jsonl")
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
 
@@ -144,8 +149,8 @@ def test_verl_and_easyr1_layouts_read_unchanged(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("video, match", [
-    ("nothing.avi", r"v.parquet, row 1: field 'videos\[0\]': video file not found: .*nothing.avi"),
-    ({"video": "bad.avi"}, r"v.parquet, row 1: field 'videos\[0\]': cannot decode the video \(.*bad.avi\)"),
+    ("nothing.avi", r"v.(parquet|jsonl), row 1: field 'videos\[0\]': video file not found: .*nothing.avi"),
+    ({"video": "bad.avi"}, r"v.(parquet|jsonl), row 1: field 'videos\[0\]': cannot decode the video \(.*bad.avi\)"),
     ({"path": "clip.avi"}, r"row 1: field 'videos\[0\]': a video dict needs a 'video' key"),
     ([{"path": "clip.avi"}], r"row 1: field 'videos\[0\]\[0\]': cannot decode the image"),
 ])
@@ -202,11 +207,13 @@ def test_video_positions_follow_seconds(vlm_dir, tokenizer):
     model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
     tps = model.config.vision_config.tokens_per_second
     video_pad = model.config.video_token_id
-    ids = torch.tensor([5, video_pad, video_pad, video_pad, video_pad, 6])  # a 2 x 2 x 2 grid: 2 temporal patches
+    ids = torch.tensor([100, video_pad, video_pad, video_pad, video_pad, 101])  # grid 2 x 2 x 4: 2 tokens per patch
     for seconds in (0.5, 1.0):
-        pos = mrope_positions(model, ids, None, torch.tensor([[2, 2, 2]]), torch.tensor([seconds]))
-        assert pos[0].tolist() == [0, 1, 1, 1 + tps * seconds, 1 + tps * seconds, 2]  # time
-        assert pos[1].tolist() == [0, 1, 1, 1, 1, 2] and pos[2].tolist() == [0, 1, 1, 1, 1, 2]  # (1 merged row, col)
+        pos = mrope_positions(model, ids, None, torch.tensor([[2, 2, 4]]), torch.tensor([seconds]))
+        step = tps * seconds
+        assert pos[0].tolist() == [0, 1, 1, 1 + step, 1 + step, 3]  # time: temporal patch 1 is `step` later
+        assert pos[1].tolist() == [0, 1, 1, 1, 1, 3]  # height: one merged row
+        assert pos[2].tolist() == [0, 1, 2, 1, 2, 3]  # width: two merged columns; text goes on at 1 + 2
 
 
 def rollout_like_batch(ds, tokenizer, rows, response_lengths, width=8):
