@@ -190,6 +190,9 @@ PEER_KEYS: dict[str, tuple[str | None, Callable | None]] = {
     "data.image_key": ("data.image_key", None),
     "data.min_pixels": ("data.min_pixels", None),
     "data.max_pixels": ("data.max_pixels", None),
+    "data.video_key": ("data.video_key", None),
+    "data.video_fps": ("data.video_fps", None),  # EasyR1
+    "data.video_max_frames": ("data.video_max_frames", None),
     "worker.actor.model.freeze_vision_tower": ("actor.freeze_vision_tower", None),
     # ---- EasyR1 (examples/config.yaml)
     "data.rollout_batch_size": ("data.train_batch_size", None),
@@ -243,7 +246,6 @@ REWARD_KWARGS_PREFIXES = ("custom_reward_function.reward_kwargs.", "worker.rewar
 
 # Peer keys with no rlframe equivalent: key -> the closest of ours (named in the error).
 NO_EQUIVALENT: dict[str, str] = {
-    "data.video_key": "data.image_key (rlframe's vision-language support takes images, not videos)",
     "actor_rollout_ref.rollout.mode": "rollout.engine (rollouts are synchronous: the agent loop is configured under rollout)",
     "actor_rollout_ref.rollout.multi_turn.enable": "rollout (see the agent loop settings in rlframe/config/)",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor.optim.warmup_steps (a count of steps)",

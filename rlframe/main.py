@@ -232,6 +232,12 @@ def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
         from rlframe.data.shapes import generate_shapes_dataset
 
         s = cfg.data.shapes
+        if s.kind == "video":  # generated clips of a moving shape, "which way does it move"
+            from rlframe.data.video_shapes import generate_video_shapes_dataset
+
+            train, val = generate_video_shapes_dataset(run_dir / "data", n_train=s.n_train, n_val=s.n_val,
+                                                       seed=s.seed, size=s.size, frames=s.frames, fps=s.fps)
+            return [str(train)], [str(val)]
         train, val = generate_shapes_dataset(run_dir / "data", n_train=s.n_train, n_val=s.n_val, seed=s.seed, size=s.size)
         return [str(train)], [str(val)]
     from rlframe.data.arithmetic import generate_arithmetic_dataset

@@ -59,8 +59,12 @@ class ModelShape:
     experts: int = 1
     tied: bool = False  # the LM head shares the input embedding matrix
     # A vision-language model's vision tower (included in `params`: weights, gradients and optimizer
-    # state; its activations on the image patches are not modelled).
+    # state); its activations on the image/video patches: vision_activation_elements_per_patch_block.
     vision_params: int = 0
+    vision_hidden: int = 0
+    vision_intermediate: int = 0
+    vision_depth: int = 0
+    vision_merge: int = 2  # patches per merged (language-model) token: vision_merge ** 2
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
@@ -81,9 +85,13 @@ class ModelShape:
         tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
         embeddings = vocab * h * (1 if tied else 2)
         vision = vision_tower_params(config.get("vision_config"), config.get("model_type", ""))
+        vc, model_type = config.get("vision_config") or {}, config.get("model_type", "")
+        vh = int(vc.get("hidden_size") if "qwen2_5" in model_type else vc.get("embed_dim") or vc.get("hidden_size") or 0)
+        vi = int(vc.get("intermediate_size") if "qwen2_5" in model_type else vh * vc.get("mlp_ratio", 4)) if vc else 0
         return cls(params=embeddings + layers * per_layer + h + vision, layers=layers, hidden=h, intermediate=inter,
                    vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts, tied=tied,
-                   vision_params=vision)
+                   vision_params=vision, vision_hidden=vh, vision_intermediate=vi,
+                   vision_depth=int(vc.get("depth", 0)) if vision else 0, vision_merge=int(vc.get("spatial_merge_size", 2)))
 
     @property
     def layer_params(self) -> int:
@@ -201,6 +209,11 @@ def _tokens(cfg, micro_sequences: int, max_tokens: int) -> tuple[int, int]:
     return micro_sequences * seq, micro_sequences * cfg.data.max_response_length
 
 
+def micro_sequences_of(tokens: int, cfg) -> int:
+    """Sequences in a micro-batch of `tokens` tokens (at least 1)."""
+    return max(1, tokens // (cfg.data.max_prompt_length + cfg.data.max_response_length))
+
+
 def trainer_items(cfg, shape: ModelShape, role: str, shards: int, b: int, gpu: bool, *, train: bool,
                   micro: tuple[int, int], checkpointing: bool, logits: bool, offload_params: bool = False,
                   offload_optimizer: bool = False) -> list[Item]:
@@ -234,6 +247,14 @@ def trainer_items(cfg, shape: ModelShape, role: str, shards: int, b: int, gpu: b
                                                cfg.actor.log_prob_max_token_len_per_device)
     items.append(Item(role, f"forward activations ({forward_tokens // sp} tokens, one layer)",
                       _gib(forward_tokens // sp * shape.activation_elements_per_token_layer(), b), ("log-probs",), True))
+    if train and shape.vision_params:
+        # The vision tower's saved activations: at most every prompt token a merged visual token (images and
+        # video frames count alike: the visual tokens are inside data.max_prompt_length), merge^2 patches each;
+        # per patch and block the decoder layer's count with the tower's sizes (10 vh + 4 vi, full attention).
+        patches = micro_sequences_of(tokens, cfg) * cfg.data.max_prompt_length * shape.vision_merge ** 2
+        per_patch = 10 * shape.vision_hidden + 4 * shape.vision_intermediate
+        items.append(Item(role, f"vision tower activations for backward (<= {patches} patches)",
+                          _gib(shape.vision_depth * patches * per_patch, b), ("update",), True))
     if logits and train:
         items.append(Item(role, f"fp32 logits + log-softmax ({response_tokens} response tokens)",
                           _gib(2 * response_tokens * shape.vocab, 4), ("update",), True))

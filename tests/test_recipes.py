@@ -62,6 +62,10 @@ SIZES: dict[str, list[str]] = {
     "grpo_vlm_shapes": ["data.shapes.n_train=16", "data.shapes.n_val=4", "data.val_max_samples=4",
                         "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
                         LENGTH_REWARD, "actor.optim.lr=1e-3"],
+    # the same for the video recipe: 8 clips, 2 prompts x 4 samples per step
+    "grpo_video_shapes": ["data.shapes.n_train=8", "data.shapes.n_val=4", "data.val_max_samples=4",
+                          "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                          LENGTH_REWARD, "actor.optim.lr=1e-3"],
     # the example agent (openai client) through the gateway; a test parser makes every model turn call the calculator
     "grpo_gateway_math": ["data.max_response_length=96", "rollout.agent_program.max_tokens_per_call=8",
                           "rollout.agent_program.tool_format=" + str(REPO_ROOT / "tests" / "test_gateway.py")
@@ -131,7 +135,7 @@ def recipe_stage(recipe: str) -> str:
 
 def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
     args = [f"recipe={recipe}", *TINY_SIZES, *SIZES.get(recipe, []), *EXTRA_ARGS.get(recipe, [])]
-    if recipe == "grpo_vlm_shapes":
+    if recipe in ("grpo_vlm_shapes", "grpo_video_shapes"):
         return args  # its own model: the tiny Qwen2.5-VL the cache builds (model.path: tiny-qwen2.5-vl)
     args.append(f"model.path={model_dir}")
     if recipe == "grpo_judge_math":  # the judge: a small OpenAI-compatible server in this process (docs/judge.md)
@@ -173,7 +177,7 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
         assert (run_dir / "report.html").exists(), f"{recipe}: no run report"
     if recipe == "grpo_math":
         check_main_job_run(run_dir, result.stdout, trained)
-    if recipe == "grpo_vlm_shapes":
+    if recipe in ("grpo_vlm_shapes", "grpo_video_shapes"):
         check_vlm_run(run_dir, trained)
     if recipe in ("grpo_feedback_math", "grpo_tool_math"):
         assert "engine=vllm" in result.stdout or not vllm_installed()

@@ -273,6 +273,12 @@ def image_rows(tmp: Path, image) -> list[str]:
     return [f"data.train_files={jsonl(tmp / 'images.jsonl', rows)}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
 
 
+def video_rows(tmp: Path, video) -> list[str]:
+    rows = [{**good_row(i, [{"role": "user", "content": "<video>Which way does it move?"}]), "videos": [video]}
+            for i in range(4)]
+    return [f"data.train_files={jsonl(tmp / 'videos.jsonl', rows)}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+
+
 def stage_rows(tmp: Path, stage: str, rows: list[dict], *extra: str) -> list[str]:
     return [f"stage={stage}", f"data.train_files={jsonl(tmp / f'{stage}.jsonl', rows)}", *extra]
 
@@ -346,6 +352,14 @@ FILE_CASES = {
     "image does not decode": (lambda tmp: image_rows(tmp, {"path": str(write(tmp, "bad.png", b"not a picture"))}),
                               ["images.jsonl, row 0: field 'images[0]': cannot decode the image", "not an image format PIL reads"]),
     "image file missing": (lambda tmp: image_rows(tmp, {"path": "missing.png"}), ["field 'images[0]': image file not found"]),
+    # videos (verl's layout: {"video": path, "fps", "max_frames"}; EasyR1's: a path)
+    "video does not decode": (lambda tmp: video_rows(tmp, {"video": str(write(tmp, "bad.avi", b"not a video" * 50)), "fps": 2}),
+                              ["videos.jsonl, row 0: field 'videos[0]': cannot decode the video", "bad.avi"]),
+    "video file missing": (lambda tmp: video_rows(tmp, "missing.mp4"), ["field 'videos[0]': video file not found", "missing.mp4"]),
+    "video frame does not decode": (lambda tmp: video_rows(tmp, [{"path": str(write(tmp, "f.png", b"no"))}]),
+                                    ["field 'videos[0][0]': cannot decode the image"]),
+    "video without its placeholder": (lambda tmp: [f"data.train_files={jsonl(tmp / 'vid.jsonl', [{**good_row(), 'videos': ['a.avi']}] * 4)}"],
+                                      ["vid.jsonl, row 0", "0 <video> placeholder(s) in the prompt but 1 video(s)"]),
     "image without its placeholder": (lambda tmp: [f"data.train_files={jsonl(tmp / 'img.jsonl', [{**good_row(), 'images': [{'path': 'a.png'}]}] * 4)}"],
                                       ["img.jsonl, row 0", "0 <image> placeholder(s) in the prompt but 1 image(s)"]),
     # stages

@@ -216,6 +216,7 @@ class RolloutSettings:
     max_num_batched_tokens: int = 4096
     enable_sleep_mode: bool = True
     enforce_eager: bool = True
+    limit_mm_per_prompt: dict = field(default_factory=lambda: {"image": 4, "video": 1})  # vLLM, vision-language models
     tensor_parallel_size: int = 1  # ranks per vLLM engine (workers/rollout/tensor_parallel.py)
     # Adapter-only weight sync (model.lora.weight_sync=adapter): the engine applies these adapters
     # itself and receives only their tensors after each update. None: it receives full weights.

@@ -27,6 +27,11 @@ class ShapesDataConfig:
     n_val: int = bounded(32, ">= 1")  # generated validation pictures
     seed: int = bounded(0, ">= 0")  # the generator's seed
     size: int = bounded(112, ">= 28")  # image side in pixels (112 px = 8 x 8 patches of 14 px = 16 image tokens on Qwen2.5-VL)
+    # images: pictures of shapes + counting questions | video: clips of one moving shape + "which way does it
+    # move" (rlframe/data/video_shapes.py; frames x size^2 / (2 x 28^2) video tokens)
+    kind: str = one_of("images", ("images", "video"))
+    frames: int = bounded(8, ">= 2")  # kind=video: frames per clip
+    fps: float = bounded(4.0, "> 0")  # kind=video: the clips' frame rate (frames per second)
 
 
 @dataclass
@@ -49,6 +54,14 @@ class DataConfig:
     max_pixels: int = bounded(1003520, ">= 1")  # 1280 x 28 x 28 (Qwen2-VL's processor default)
     # scale an out-of-range image into [min_pixels, max_pixels] (false: one above max_pixels is an error)
     resize_images: bool = True
+    # Videos (verl layout [{"video": path, "fps", "max_frames"}], EasyR1's [path]; a path or a list of frame
+    # images; one <video> placeholder per video; rlframe/data/video.py): the column of each row's videos.
+    # Each is decoded once when the data is read (before Ray starts); a bad file is named by file, row, column.
+    video_key: str = "videos"
+    video_fps: float = bounded(2.0, "> 0")  # frames sampled per second of video (a row item's fps overrides it)
+    video_max_frames: int = bounded(32, ">= 2")  # at most this many frames per video (an item's max_frames overrides it)
+    video_min_pixels: Optional[int] = bounded(None, ">= 1")  # one frame's pixel floor (null: data.min_pixels)
+    video_max_pixels: Optional[int] = bounded(None, ">= 1")  # one frame's pixel cap (null: data.max_pixels)
     # a plain ground-truth column (e.g. answer); null: the verl layout's reward_model.ground_truth
     answer_key: Optional[str] = None
     max_prompt_length: int = bounded(128, ">= 1")  # tokens, after the chat template

@@ -164,6 +164,10 @@ class RolloutConfig:
     enable_sleep_mode: bool = True  # GPU only: free engine memory while the trainer trains
     # vLLM: no CUDA graphs (faster start, slower decoding on GPU; CUDA graphs do not exist on CPU)
     enforce_eager: bool = True
+    # vLLM's limit_mm_per_prompt for a vision-language model: the most images / videos one prompt may hold
+    # (vLLM sizes its multimodal encoder budget by them); rows with more fail in vLLM
+    limit_images_per_prompt: int = bounded(4, ">= 0")
+    limit_videos_per_prompt: int = bounded(1, ">= 0")  # (see limit_images_per_prompt)
     # Disaggregated placement (trainer.placement=disaggregated): data-parallel engines on their own
     # devices; default actor.world_size. Weights reach them by a bucketed broadcast after each update.
     world_size: Optional[int] = bounded(None, ">= 1")

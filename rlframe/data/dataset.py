@@ -33,6 +33,7 @@ import torch
 from rlframe.data.files import DatasetError, is_hub_id, read_hub_rows, read_with_datasets
 from rlframe.data.multimodal import (ImageProblem, VisionProcessor, decode_image, fit_pixels, image_list,
                                      split_placeholders)
+from rlframe.data.video import video_list
 from rlframe.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,12 @@ class RLDataset:
             dicts, file paths or PIL images, one ``<image>`` placeholder per image in the prompt text;
             rlframe/data/multimodal.py). Rows without it are text rows, handled exactly as before.
         min_pixels, max_pixels, resize_images: image size limits (``fit_pixels``).
+        video_key: the column of a row's videos (verl's ``[{"video": path, "fps", "max_frames"}]`` or
+            EasyR1's ``[path]``, a path or a list of frame images, one ``<video>`` placeholder per video;
+            rlframe/data/video.py). Each video is decoded once, here, and its sampled frames kept.
+        video_fps, video_max_frames: frames sampled per second and at most per video (a row's item
+            ``fps`` / ``max_frames`` overrides them).
+        video_min_pixels, video_max_pixels: the size limits of one frame (None: min_pixels / max_pixels).
         processor: a ``VisionProcessor``; None builds one from the tokenizer's folder when a row has images.
     """
 
@@ -224,7 +231,9 @@ class RLDataset:
                  prompt_template: str | None = None, file_weights: list[float] | None = None,
                  default_data_source: str | None = None, seed: int = 0, image_key: str = "images",
                  min_pixels: int = 28 * 28, max_pixels: int = 1280 * 28 * 28, resize_images: bool = True,
-                 processor: VisionProcessor | None = None):
+                 processor: VisionProcessor | None = None, video_key: str = "videos", video_fps: float = 2.0,
+                 video_max_frames: int = 32, video_min_pixels: int | None = None,
+                 video_max_pixels: int | None = None):
         if isinstance(files, (str, Path)):
             files = [files]
         files = [str(f) for f in files]
@@ -252,6 +261,11 @@ class RLDataset:
         self.default_data_source = default_data_source
         self.image_key, self.min_pixels, self.max_pixels = image_key, min_pixels, max_pixels
         self.resize_images, self.processor = resize_images, processor
+        self.video_key, self.video_fps, self.video_max_frames = video_key, video_fps, video_max_frames
+        self.video_min_pixels = video_min_pixels or min_pixels
+        self.video_max_pixels = video_max_pixels or max_pixels
+        self.video_decode_seconds = 0.0  # time spent decoding videos (read once, when the files are read)
+        self.num_videos = 0
         self._template = self._load_template(prompt_template)
 
         self.num_skipped = 0     # malformed rows dropped (bad_rows="skip")
@@ -318,7 +332,7 @@ class RLDataset:
                 continue
             example["row"] = number
             examples.append(example)
-            if "images" not in example:  # image rows were tokenized by _check_row (with their image tokens)
+            if not _has_media(example):  # image/video rows were tokenized by _check_row (with their vision tokens)
                 texts.append(example["raw_prompt"])
         if skipped:
             logger.warning("RLDataset: skipped %d malformed rows of %s; the first: %s",
@@ -328,14 +342,14 @@ class RLDataset:
         token_ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
         kept = []
         for example in examples:
-            ids = example.pop("input_ids") if "images" in example else next(token_ids)
+            ids = example.pop("input_ids") if _has_media(example) else next(token_ids)
             if len(ids) > self.max_prompt_length:
                 if self.overlong == "error":
                     raise DatasetError(
                         f"{path}, row {example['row']}: field {self.prompt_key!r}: the prompt has {len(ids)} tokens, more "
                         f"than data.max_prompt_length={self.max_prompt_length}. Fix: raise data.max_prompt_length, or "
                         "data.overlong=filter (drop such rows) / truncate_left (keep their last tokens)")
-                if self.overlong == "filter" or "images" in example:  # image tokens are never cut
+                if self.overlong == "filter" or _has_media(example):  # image/video tokens are never cut
                     self.num_filtered += 1
                     continue
                 ids = ids[-self.max_prompt_length:]
@@ -348,7 +362,9 @@ class RLDataset:
     def _check_row(self, row: dict, path: str) -> dict:
         """Validate one row and build its example (everything but the token ids of a text row)."""
         images = image_list(row, self.image_key) if self.image_key in row else None
-        _find_bad_text({k: v for k, v in row.items() if k != self.image_key} if images is not None else row, "")
+        videos = video_list(row, self.video_key) if self.video_key in row else None
+        media_keys = {self.image_key if images is not None else None, self.video_key if videos is not None else None}
+        _find_bad_text({k: v for k, v in row.items() if k not in media_keys}, "")
         prompt = _get_field(row, self.prompt_key, "data.prompt_key")
         if isinstance(prompt, bytes):  # a parquet binary column holding (valid, checked above) UTF-8
             prompt = prompt.decode("utf-8")
@@ -392,10 +408,13 @@ class RLDataset:
         elif not isinstance(extra_info, dict):
             raise _BadRow("extra_info", f"expected a dict, got {type(extra_info).__name__}")
 
-        if images is not None:
+        fitted, decoded = [], []
+        if images is not None or videos is not None:
             try:
-                messages = split_placeholders(messages, len(images), self.prompt_key, self.image_key)
-                fitted = [self._image(value, f"{self.image_key}[{j}]", path) for j, value in enumerate(images)]
+                messages = split_placeholders(messages, len(images or ()), self.prompt_key, self.image_key,
+                                              len(videos or ()), self.video_key)
+                fitted = [self._image(value, f"{self.image_key}[{j}]", path) for j, value in enumerate(images or ())]
+                decoded = [self._video(value, f"{self.video_key}[{j}]", path) for j, value in enumerate(videos or ())]
             except ImageProblem as exc:
                 raise _BadRow(exc.field, exc.problem) from None
         try:
@@ -405,13 +424,29 @@ class RLDataset:
             raise _BadRow(self.prompt_key, f"the chat template failed: {exc}") from None
         example = {"raw_prompt": raw_prompt, "ground_truth": ground_truth,
                    "data_source": data_source, "extra_info": extra_info, "file": path}
-        if images:
+        if fitted or decoded:
             try:
-                example["input_ids"], _ = self._vision().encode(raw_prompt, fitted)
+                example["input_ids"], _ = self._vision().encode(raw_prompt, fitted, decoded)
             except ValueError as exc:
-                raise _BadRow(self.image_key, str(exc)) from None
-            example["images"] = images  # the sources; decoded again per batch (no decoded copies kept)
+                raise _BadRow(self.image_key if fitted else self.video_key, str(exc)) from None
+            if fitted:
+                example["images"] = images  # the sources; decoded again per batch (no decoded copies kept)
+            if decoded:
+                example["videos"] = decoded  # decoded once: the sampled frames (uint8) and their rate
         return example
+
+    def _video(self, value, field: str, path: str):
+        import time
+
+        from rlframe.data.video import decode_video, fit_frames
+
+        start = time.perf_counter()
+        base_dir = None if is_hub_id(path) else Path(path).parent
+        video = decode_video(value, field, base_dir, self.video_fps, self.video_max_frames)
+        video = fit_frames(video, field, self.video_min_pixels, self.video_max_pixels, self.resize_images)
+        self.video_decode_seconds += time.perf_counter() - start
+        self.num_videos += 1
+        return video
 
     def _image(self, value, field: str, path: str):
         base_dir = None if is_hub_id(path) else Path(path).parent
@@ -421,7 +456,8 @@ class RLDataset:
     def _vision(self) -> VisionProcessor:
         if self.processor is None:
             self.processor = VisionProcessor(self.tokenizer.name_or_path, self.tokenizer, self.min_pixels,
-                                             self.max_pixels)
+                                             self.max_pixels, video_min_pixels=self.video_min_pixels,
+                                             video_max_pixels=self.video_max_pixels)
         return self.processor
 
     def __len__(self) -> int:
@@ -436,11 +472,17 @@ class RLDataset:
         item = {"input_ids": row["input_ids"], "raw_prompt": row["raw_prompt"],
                 "ground_truth": row["ground_truth"], "data_source": row["data_source"],
                 "extra_info": row["extra_info"], "index": i}
-        if "images" in row:
-            images = [self._image(value, f"{self.image_key}[{j}]", row["file"]) for j, value in enumerate(row["images"])]
-            item["multi_modal_data"] = {"image": images}
-            item["multi_modal_inputs"] = self._vision().pixel_inputs(images)
+        if _has_media(row):
+            images = [self._image(value, f"{self.image_key}[{j}]", row["file"]) for j, value in enumerate(row.get("images", ()))]
+            videos = row.get("videos", [])
+            item["multi_modal_data"] = {**({"image": images} if images else {}),
+                                        **({"video": [v.frames for v in videos]} if videos else {})}
+            item["multi_modal_inputs"] = self._vision().inputs(images, videos)
         return item
+
+
+def _has_media(example: dict) -> bool:
+    return "images" in example or "videos" in example
 
 
 def _resample_files(per_file: list[list[dict]], weights: list[float], seed: int) -> list[list[dict]]:

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+_PLACEHOLDERS = re.compile("(<image>|<video>)")
 MULTI_MODAL_KEYS = ("multi_modal_data", "multi_modal_inputs")  # the per-row non-tensor fields of a batch
 
 
@@ -117,29 +119,37 @@ def image_list(row: dict, image_key: str) -> list:
     return [value]  # one image given bare
 
 
-def split_placeholders(messages: list[dict], num_images: int, prompt_field: str, image_key: str) -> list[dict]:
-    """Turn each ``<image>`` of the message texts into a {"type": "image"} content entry.
+def split_placeholders(messages: list[dict], num_images: int, prompt_field: str, image_key: str,
+                       num_videos: int = 0, video_key: str = "videos") -> list[dict]:
+    """Turn each ``<image>`` (``<video>``) of the message texts into a {"type": "image"} ({"type": "video"})
+    content entry.
 
-    The placeholders (counted over all messages, in order) must match the images one to one.
+    The placeholders of each kind (counted over all messages, in order) must match the row's images
+    (videos) one to one.
     """
-    found = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m["content"], str))
-    if found != num_images:
-        more = "more" if found > num_images else "fewer"
-        raise ImageProblem(prompt_field if found > num_images else image_key,
-                           f"{found} {IMAGE_PLACEHOLDER} placeholder(s) in the prompt but {num_images} image(s) in "
-                           f"{image_key!r} ({more} placeholders than images). Fix: one {IMAGE_PLACEHOLDER} per image, "
-                           "in order")
+    texts = [m["content"] for m in messages if isinstance(m["content"], str)]
+    for placeholder, count, key, what in ((IMAGE_PLACEHOLDER, num_images, image_key, "image"),
+                                          (VIDEO_PLACEHOLDER, num_videos, video_key, "video")):
+        found = sum(text.count(placeholder) for text in texts)
+        if found != count:
+            more = "more" if found > count else "fewer"
+            raise ImageProblem(prompt_field if found > count else key,
+                               f"{found} {placeholder} placeholder(s) in the prompt but {count} {what}(s) in "
+                               f"{key!r} ({more} placeholders than {what}s). Fix: one {placeholder} per {what}, "
+                               "in order")
     out = []
     for message in messages:
         content = message["content"]
-        if not isinstance(content, str) or IMAGE_PLACEHOLDER not in content:
+        if not isinstance(content, str) or not _PLACEHOLDERS.search(content):
             out.append(message)
             continue
         parts: list[dict] = []
-        for k, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
-            if k:
+        for piece in _PLACEHOLDERS.split(content):
+            if piece == IMAGE_PLACEHOLDER:
                 parts.append({"type": "image"})
-            if piece:
+            elif piece == VIDEO_PLACEHOLDER:
+                parts.append({"type": "video"})
+            elif piece:
                 parts.append({"type": "text", "text": piece})
         out.append({"role": message["role"], "content": parts})
     return out
@@ -154,8 +164,10 @@ class VisionProcessor:
     """
 
     IMAGE_TOKEN = "<|image_pad|>"
+    VIDEO_TOKEN = "<|video_pad|>"
 
-    def __init__(self, model_path: str, tokenizer, min_pixels: int, max_pixels: int, trust_remote_code: bool = False):
+    def __init__(self, model_path: str, tokenizer, min_pixels: int, max_pixels: int, trust_remote_code: bool = False,
+                 video_min_pixels: int | None = None, video_max_pixels: int | None = None):
         from transformers import AutoImageProcessor
 
         try:
@@ -171,23 +183,76 @@ class VisionProcessor:
             raise ValueError(f"the tokenizer of {model_path} has no {self.IMAGE_TOKEN} token: rlframe's image "
                              "prompts support the Qwen2-VL / Qwen2.5-VL family")
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.IMAGE_TOKEN)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.VIDEO_TOKEN)
+        self.video_min_pixels = video_min_pixels or min_pixels
+        self.video_max_pixels = video_max_pixels or max_pixels
 
     def pixel_inputs(self, images: list) -> dict:
         """{"pixel_values", "image_grid_thw"} (torch tensors) of a row's images."""
         out = self.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-    def expand(self, raw_prompt: str, image_grid_thw) -> str:
-        """One `<|image_pad|>` per image in `raw_prompt` -> as many as that image has merged patches."""
-        counts = (image_grid_thw.prod(-1) // self.merge_size ** 2).tolist()
-        pieces = raw_prompt.split(self.IMAGE_TOKEN)
-        if len(pieces) - 1 != len(counts):
-            raise ValueError(f"the chat template rendered {len(pieces) - 1} {self.IMAGE_TOKEN} for {len(counts)} images")
-        return pieces[0] + "".join(self.IMAGE_TOKEN * n + piece for n, piece in zip(counts, pieces[1:]))
+    def video_inputs(self, videos: list) -> dict:
+        """{"pixel_values_videos", "video_grid_thw", "second_per_grid_ts"} (torch tensors) of a row's videos
+        (``rlframe.data.video.Video``: sampled uint8 frames and their rate).
 
-    def encode(self, raw_prompt: str, images: list) -> tuple[list[int], dict]:
-        inputs = self.pixel_inputs(images)
-        text = self.expand(raw_prompt, inputs["image_grid_thw"])
+        Qwen2-VL's video processor, in numpy (transformers' needs torchvision): each frame resized to the
+        video's ``smart_resize`` size (sides multiples of patch x merge), scaled to [0, 1], normalised
+        with the image mean/std; the frames padded to a multiple of temporal_patch_size by repeating the
+        last; patches [t * h * w, C * T * P * P] in the merge order the vision tower expects.
+        ``second_per_grid_ts = temporal_patch_size / fps``: seconds per temporal patch.
+        """
+        import torch
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        ip = self.image_processor
+        p, m, t = int(ip.patch_size), self.merge_size, int(ip.temporal_patch_size)
+        mean = np.asarray(ip.image_mean, dtype=np.float32).reshape(1, 3, 1, 1)
+        std = np.asarray(ip.image_std, dtype=np.float32).reshape(1, 3, 1, 1)
+        patches, grids, seconds = [], [], []
+        for video in videos:
+            frames = np.asarray(video.frames)
+            height, width = frames.shape[1:3]
+            h, w = smart_resize(height, width, factor=p * m, min_pixels=self.video_min_pixels,
+                                max_pixels=self.video_max_pixels)
+            if (h, w) != (height, width):
+                frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=3)) for f in frames])
+            x = (frames.astype(np.float32).transpose(0, 3, 1, 2) / 255.0 - mean) / std  # [n, C, h, w]
+            if pad := -len(x) % t:
+                x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+            gt, gh, gw = len(x) // t, h // p, w // p
+            x = x.reshape(gt, t, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            patches.append(x.reshape(gt * gh * gw, 3 * t * p * p))
+            grids.append([gt, gh, gw])
+            seconds.append(t / float(video.fps))
+        return {"pixel_values_videos": torch.from_numpy(np.concatenate(patches)),
+                "video_grid_thw": torch.tensor(grids, dtype=torch.long),
+                "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32)}
+
+    def expand(self, raw_prompt: str, image_grid_thw=None, video_grid_thw=None) -> str:
+        """Each `<|image_pad|>` (`<|video_pad|>`) of `raw_prompt` -> as many as that image (video) has
+        merged patches (``grid_thw.prod() // merge_size**2``)."""
+        counts = {}
+        for token, grids in ((self.IMAGE_TOKEN, image_grid_thw), (self.VIDEO_TOKEN, video_grid_thw)):
+            counts[token] = iter([] if grids is None else (grids.prod(-1) // self.merge_size ** 2).tolist())
+            found, given = raw_prompt.count(token), 0 if grids is None else len(grids)
+            if found != given:
+                raise ValueError(f"the chat template rendered {found} {token} for {given} "
+                                 f"{'images' if token == self.IMAGE_TOKEN else 'videos'}")
+        pieces = re.split(f"({re.escape(self.IMAGE_TOKEN)}|{re.escape(self.VIDEO_TOKEN)})", raw_prompt)
+        return "".join(piece * next(counts[piece]) if piece in counts else piece for piece in pieces)
+
+    def inputs(self, images: list, videos: list | None = None) -> dict:
+        """The forward's pixel inputs of a row's images and videos (the keys of each present kind)."""
+        out = self.pixel_inputs(images) if images else {}
+        if videos:
+            out.update(self.video_inputs(videos))
+        return out
+
+    def encode(self, raw_prompt: str, images: list, videos: list | None = None) -> tuple[list[int], dict]:
+        inputs = self.inputs(images, videos)
+        text = self.expand(raw_prompt, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"))
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], inputs
 
 

@@ -1,7 +1,7 @@
 """A tiny random-init Qwen2.5-VL with its processor, built locally (no hub): the vision-language test model.
 
 `model.path=tiny-qwen2.5-vl` names it (rlframe/models/provision.py): the folder is written once into
-the cache (`$RLFRAME_CACHE/models/tiny-qwen2.5-vl-v1`) with `build_tiny_vlm_dir`, atomically. It is
+the cache (`$RLFRAME_CACHE/models/tiny-qwen2.5-vl-v2`) with `build_tiny_vlm_dir`, atomically. It is
 the same architecture as Qwen/Qwen2.5-VL-3B-Instruct (`Qwen2_5_VLForConditionalGeneration`: a ViT with
 2x2 patch merging, M-RoPE in the language model) at toy size: 2 vision blocks, 2 decoder layers,
 hidden 64. Its weights are random (seeded), so it learns nothing useful; it exists so that the
@@ -11,8 +11,10 @@ update, rollout, weight sync) runs and is tested on a CPU in seconds.
 The tokenizer is a byte-level BPE trained in-process on a small corpus, with Qwen's special tokens
 (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`, `<|image_pad|>`, `<|vision_end|>`, `<|video_pad|>`)
 and a Qwen2-VL chat template (a message's content may be a list of {"type": "image"} / {"type":
-"text", "text": ...} entries; an image entry renders as `<|vision_start|><|image_pad|><|vision_end|>`,
-which the processor expands to one `<|image_pad|>` per merged patch). The image processor is
+"text", "text": ...} / {"type": "video"} entries; an image entry renders as
+`<|vision_start|><|image_pad|><|vision_end|>`, which the processor expands to one `<|image_pad|>` per
+merged patch; a video entry as `<|vision_start|><|video_pad|><|vision_end|>`, one `<|video_pad|>` per
+merged patch of each temporal patch of 2 frames). The image processor is
 transformers' PIL backend (`Qwen2VLImageProcessorPil`): torchvision is not needed.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 NAME = "tiny-qwen2.5-vl"
-FOLDER = "tiny-qwen2.5-vl-v1"  # bump the suffix when the builder changes what it writes
+FOLDER = "tiny-qwen2.5-vl-v2"  # bump the suffix when the builder changes what it writes
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -29,6 +31,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for item in message['content'] %}"
     "{% if item['type'] == 'image' or 'image' in item %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' or 'video' in item %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"

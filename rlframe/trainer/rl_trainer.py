@@ -72,7 +72,9 @@ def dataset_options(cfg: RLConfig) -> dict:
     return dict(prompt_key=data.prompt_key, answer_key=data.answer_key, prompt_template=data.prompt_template,
                 max_prompt_length=data.max_prompt_length, overlong=data.overlong, bad_rows=data.bad_rows,
                 image_key=data.image_key, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
-                resize_images=data.resize_images)
+                resize_images=data.resize_images, video_key=data.video_key, video_fps=data.video_fps,
+                video_max_frames=data.video_max_frames, video_min_pixels=data.video_min_pixels,
+                video_max_pixels=data.video_max_pixels)
 
 
 class RLTrainer(RunLoop):

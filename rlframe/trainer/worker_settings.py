@@ -179,6 +179,7 @@ def rollout_settings(cfg: RLConfig, model_path: str) -> RolloutSettings:
         cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, enable_prefix_caching=rollout.enable_prefix_caching,
         enable_chunked_prefill=rollout.enable_chunked_prefill, max_num_batched_tokens=rollout.max_num_batched_tokens,
         enable_sleep_mode=rollout.enable_sleep_mode, enforce_eager=rollout.enforce_eager,
+        limit_mm_per_prompt={"image": rollout.limit_images_per_prompt, "video": rollout.limit_videos_per_prompt},
         tensor_parallel_size=rollout.tensor_parallel_size,
         lora=lora_settings(cfg) if cfg.model.lora.rank > 0 and cfg.model.lora.weight_sync == "adapter" else None,
         multi_turn=multi_turn_settings(cfg), agent_program=agent_program_settings(cfg))

@@ -337,31 +337,47 @@ def vision_tower(model: nn.Module) -> nn.Module:
     return tower
 
 
-def mrope_positions(model: nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+def mrope_positions(model: nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                    video_grid_thw: torch.Tensor | None = None,
+                    second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen2-VL's 3-D rotary positions [3, L] of ONE sequence of real tokens (no padding).
 
     Text tokens advance all three (time, height, width) positions together by 1; the merged patches
     of an image get (start, start + row, start + column) and the text after it continues from
-    start + max(rows, columns). Computed per sequence, so the positions are the same whether the
-    sequence is alone, left-padded in a batch, or packed with others.
+    start + max(rows, columns). A video's temporal patch k gets time start + k * tokens_per_second *
+    second_per_grid_ts (Qwen2.5-VL: positions in time follow seconds, not frame counts). Computed per
+    sequence, so the positions are the same whether the sequence is alone, left-padded in a batch, or
+    packed with others.
     """
     base = getattr(model, "model", model)
     config = model.config
     token_type = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
     if not bool(token_type.any()):
         return torch.arange(input_ids.numel(), device=input_ids.device).unsqueeze(0).expand(3, -1)
+    extra = {} if video_grid_thw is None else {"video_grid_thw": video_grid_thw,
+                                               "second_per_grid_ts": second_per_grid_ts}
     positions, _ = base.get_rope_index(input_ids.unsqueeze(0), mm_token_type_ids=token_type.unsqueeze(0),
-                                       image_grid_thw=image_grid_thw)
+                                       image_grid_thw=image_grid_thw, **extra)
     return positions[:, 0]
 
 
+PIXEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
 def _stack_pixel_inputs(multi_modal_inputs, device) -> dict:
-    """Concatenate the rows' pixel_values and image_grid_thw in row order (rows without images add nothing)."""
+    """Concatenate the rows' pixel inputs (images: pixel_values, image_grid_thw; videos: pixel_values_videos,
+    video_grid_thw, second_per_grid_ts) in row order (rows without one kind add nothing to its keys)."""
     rows = [m for m in multi_modal_inputs if m is not None]
-    if not rows:
-        return {}
-    return {key: torch.cat([torch.as_tensor(m[key]) for m in rows]).to(device)
-            for key in ("pixel_values", "image_grid_thw")}
+    out = {}
+    for key in PIXEL_INPUT_KEYS:
+        values = [torch.as_tensor(m[key]) for m in rows if key in m]
+        if values:
+            out[key] = torch.cat(values).to(device)
+    return out
+
+
+def _grid(m, key: str, device):
+    return None if m is None or key not in m else torch.as_tensor(m[key]).to(device)
 
 
 def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -384,8 +400,9 @@ def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, at
     device = input_ids.device
     real = attention_mask.bool()
     pixel_inputs = _stack_pixel_inputs(multi_modal_inputs, device)
-    grids = [None if m is None else torch.as_tensor(m["image_grid_thw"]).to(device) for m in multi_modal_inputs]
-    rope = [mrope_positions(model, input_ids[b][real[b]], grids[b]) for b in range(input_ids.size(0))]
+    rope = [mrope_positions(model, input_ids[b][real[b]], *(_grid(m, key, device) for key in
+                                                           ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")))
+            for b, m in enumerate(multi_modal_inputs)]
     prompt_width = input_ids.size(1) - response_width
     if packed:
         response_tokens = real.clone()

@@ -30,7 +30,8 @@ def build_rollout_engine(settings: RolloutSettings, profile: DeviceProfile, rank
             enable_chunked_prefill=settings.enable_chunked_prefill,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             enable_sleep_mode=settings.enable_sleep_mode and shares_devices,
-            enforce_eager=settings.enforce_eager, trust_remote_code=settings.trust_remote_code, lora=settings.lora)
+            enforce_eager=settings.enforce_eager, trust_remote_code=settings.trust_remote_code, lora=settings.lora,
+            limit_mm_per_prompt=settings.limit_mm_per_prompt)
     from rlframe.workers.rollout.hf_rollout import HFRollout
 
     return HFRollout(settings.model_path, profile, eos_token_ids=eos_ids, pad_token_id=pad_id,
