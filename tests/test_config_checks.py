@@ -17,7 +17,7 @@ from rlframe.algos.plugins import configured_estimator_needs, declared_needs, re
 from rlframe.config import ConfigError, RLConfig, skips_old_log_prob_pass, validate_config, validate_model_folder
 from rlframe.config.checks import problems_of, raise_problems
 
-SECTION_MODULES = ("model", "data", "algorithm", "actor", "rollout", "reward", "trainer", "stages")
+SECTION_MODULES = ("model", "data", "algorithm", "actor", "rollout", "reward", "trainer", "teacher", "stages")
 CONFIG_DIR = Path(config.__file__).parent
 
 # What each built-in estimator needs, by hand from its docstring's formula (rlframe/algos/advantages.py).

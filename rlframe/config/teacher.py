@@ -27,7 +27,7 @@ class TeacherConfig:
     path: Optional[str] = None
     micro_batch_size: int = bounded(16, ">= 1")  # sequences per teacher forward pass, per device
     # the teacher's softmax temperature; distillation reads the teacher's own distribution, so only 1 is accepted
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, "> 0")
     # release the teacher's weights between uses (GPU: parameters on the host; CPU: its file-mapped pages)
     offload: bool = True
     # set by a recipe that distils (opd_math): teacher.path must then be given
