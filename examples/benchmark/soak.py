@@ -273,7 +273,7 @@ def main() -> None:
     argv = ["recipe=grpo_math", *TINY, f"model.path={model}", f"trainer.run_dir={run_dir}",
             f"rollout.engine={args.engine}", f"trainer.total_steps={args.steps}", *args.overrides]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    trace_steps = (max(1, args.steps // 10) + 1, args.steps - 2) if args.trace else None
+    trace_steps = (max(1, args.steps // 10) + 1, args.steps - 5) if args.trace else None
     if args.trace:
         import tracemalloc
 
@@ -289,7 +289,7 @@ def main() -> None:
         rlframe_main(argv)
     finally:
         sampler.done.set()
-        sampler.join(timeout=5)
+        sampler.join(timeout=120 if args.trace else 5)  # (a snapshot of a large heap takes a while)
         samples = sampler.samples
         (workdir / "soak.json").write_text(json.dumps({"argv": argv, "samples": samples}))
     print(f"\nsoak: {args.steps} steps ({args.engine} rollout) in {time.perf_counter() - start:.0f} s; "
