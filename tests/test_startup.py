@@ -38,7 +38,7 @@ def test_parts_add_up_to_the_total_with_other_for_the_rest():
 def test_a_phase_is_timed_and_the_first_finish_is_the_run_start():
     profile = StartupProfile()
     profile.begin()
-    assert 0 < profile.parts["imports"] < 600  # this process's age, from /proc
+    assert 0 < profile.parts["imports"] <= process_age_s()  # this process's age, from /proc (a test worker's: long)
     with profile.phase("ray_init"):
         time.sleep(0.05)
     assert 0.04 < profile.parts["ray_init"] < 1.0
