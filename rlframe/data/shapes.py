@@ -44,6 +44,18 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 60, 220)}
 GRID = 3  # cells per side: at most 9 shapes, never overlapping
 
 
+def draw_shape(draw, shape: str, colour: str, cx: float, cy: float, r: float) -> None:
+    """One shape of radius r centred at (cx, cy) on a PIL ImageDraw (the scenes' and the clips' frames)."""
+    box = (cx - r, cy - r, cx + r, cy + r)
+    fill = COLOURS[colour]
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)], fill=fill)
+
+
 def draw_scene(shapes: list[tuple[str, str, int]], size: int) -> bytes:
     """PNG bytes of the shapes [(shape, colour, cell)], each centred in its cell of a GRID x GRID grid."""
     from PIL import Image, ImageDraw
@@ -53,15 +65,7 @@ def draw_scene(shapes: list[tuple[str, str, int]], size: int) -> bytes:
     cell = size / GRID
     for shape, colour, position in shapes:
         cx, cy = (position % GRID + 0.5) * cell, (position // GRID + 0.5) * cell
-        r = cell * 0.35
-        box = (cx - r, cy - r, cx + r, cy + r)
-        fill = COLOURS[colour]
-        if shape == "circle":
-            draw.ellipse(box, fill=fill)
-        elif shape == "square":
-            draw.rectangle(box, fill=fill)
-        else:
-            draw.polygon([(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)], fill=fill)
+        draw_shape(draw, shape, colour, cx, cy, cell * 0.35)
     out = io.BytesIO()
     image.save(out, format="PNG", optimize=False)
     return out.getvalue()

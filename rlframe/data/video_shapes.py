@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlframe.data.shapes import COLOURS, INSTRUCTION, SHAPES
+from rlframe.data.shapes import COLOURS, INSTRUCTION, SHAPES, draw_shape
 from rlframe.data.video import write_video
 
 DATA_SOURCE = "video_shapes"
@@ -53,15 +53,7 @@ def draw_clip(shape: str, colour: str, direction: str, size: int, frames: int, o
         else:
             cx, cy = lane, (t if dy > 0 else size - t)
         image = Image.new("RGB", (size, size), "white")
-        draw = ImageDraw.Draw(image)
-        box = (cx - r, cy - r, cx + r, cy + r)
-        fill = COLOURS[colour]
-        if shape == "circle":
-            draw.ellipse(box, fill=fill)
-        elif shape == "square":
-            draw.rectangle(box, fill=fill)
-        else:
-            draw.polygon([(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)], fill=fill)
+        draw_shape(ImageDraw.Draw(image), shape, colour, cx, cy, r)
         out.append(np.asarray(image))
     return np.stack(out)
 
