@@ -133,8 +133,17 @@ class ChatServer:
                     k = len(server.requests) - 1
                     server.auth.add(self.headers.get("Authorization"))
                     step = server.scripts.get(prompt, []).pop(0) if server.scripts.get(prompt) else "ok"
+                answered = False
+
+                def leave():  # out of flight before the reply's last byte: the client may send its next request at once
+                    nonlocal answered
+                    if not answered:
+                        answered = True
+                        with server.lock:
+                            server.in_flight -= 1
                 try:
                     clock.sleep(server.delay_s if step != "hang" else 3.0)
+                    leave()
                     if step in ("503", "429", "401"):
                         self.send_response(int(step))
                         if step == "429":
@@ -152,8 +161,7 @@ class ChatServer:
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up on a hung request
                     pass
                 finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    leave()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
