@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     work = Path(out).resolve().parent
     train_files, _ = prepare_data(cfg, work / "pairs_prompts")
-    init_ray(cfg)
+    init_ray(cfg, work)  # the workers' output to <out's folder>/logs/, as rlframe.main's quiet console does
     sampler = PairSampler(cfg, model_path, tokenizer, work)
     try:
         generate_pairs(sampler, sampler.prompt_set(train_files), Path(out).resolve())

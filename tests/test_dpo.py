@@ -180,6 +180,7 @@ def test_pairs_command_writes_scored_pairs(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(r["chosen_score"] - r["rejected_score"] >= 0.01 and r["chosen"] != r["rejected"] for r in rows)
     assert isinstance(rows[0]["prompt"], list) and rows[0]["prompt"][0]["role"] == "user"
+    assert list((tmp_path / "logs").glob("worker-*.log"))  # the quiet console: the workers' output went to files
 
 
 def test_unpaired_rows_for_kto(tiny_model_dir, tmp_path):

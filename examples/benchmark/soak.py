@@ -222,6 +222,18 @@ def slope_per_100(points: list[tuple[int, float]]) -> float:
     return 100 * sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else float("nan")
 
 
+def segment_slopes(warm: list[dict], segments: int = 3) -> list[str]:
+    """The driver's RSS slope in each third of the steps after the warm-up: a leak keeps its slope, a heap that
+    is still settling (malloc arenas and Python's object arenas reaching their working size) loses it."""
+    mib, size = 1 << 20, len(warm) // segments
+    if size < 10:
+        return []
+    parts = [warm[i * size:(i + 1) * size] for i in range(segments)]
+    slopes = [slope_per_100([(s["step"], s["rss"]["driver"] / mib) for s in part if "driver" in s["rss"]]) for part in parts]
+    return [f"{'driver: slope by third of the steps':<44} " + "  ".join(
+        f"{part[0]['step']}..{part[-1]['step']}: {slope:+.2f}" for part, slope in zip(parts, slopes)) + " MiB/100"]
+
+
 def report(samples: list[dict], steps: int) -> list[str]:
     warm = [s for s in samples if s["step"] > max(1, steps // 10)]
     mib = 1 << 20
@@ -242,6 +254,7 @@ def report(samples: list[dict], steps: int) -> list[str]:
         if points:
             lines.append(f"{'driver: ' + kind:<44} {points[0][1]:>7.1f} MiB {points[-1][1]:>7.1f} MiB "
                          f"{slope_per_100(points):>+12.2f} MiB")
+    lines += segment_slopes(warm)
     threads = [s["driver_threads"] for s in warm if "driver_threads" in s]
     if threads:
         lines.append(f"{'driver: threads':<44} {threads[0]:>10} {threads[-1]:>10}")
