@@ -6,6 +6,7 @@
     checksums before; trainer.train_step(1)         # one real step: generate, score, update, weight sync
     checksums after, sync report; b3 = probe()      # the engine changed and equals the trainer; gap after the sync
     LoRA: b3 against the adapted and the base model # the adapter reached the engine
+    teacher: on b1, teacher = student gives KL 0; the teacher backend agrees with an HF forward  (teacher_checks.py)
 """
 
 from __future__ import annotations
@@ -170,6 +171,10 @@ def probe_and_step(trainer, cfg: RLConfig, threshold: float, dtype: str, start_s
     results.append(check_determinism(first, second))
     old = trainer.actor_rollout.compute_log_prob(first).batch["old_log_probs"]
     results.append(check_gap("logprob_gap_step0", gap(first, old), threshold, dtype, "at step 0"))
+    if trainer.workers.teacher is not None:  # before the step: the actor still holds the student's folder weights
+        from rlframe.doctor.teacher_checks import run_teacher_checks
+
+        results += run_teacher_checks(cfg, trainer, first, trainer.model_path, threshold, dtype)
     before = trainer.actor_rollout.weight_checksums()[0]
     step_start = trainer.clock.start_step(1)
     try:
