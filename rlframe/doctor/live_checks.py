@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlframe.config import RLConfig
+from rlframe.config.gates import GATE_NAMES
 from rlframe.doctor.result import CheckResult, failed, passed, skipped, warned
 from rlframe.doctor.reward_checks import check_group_signal
 from rlframe.trainer.gates import GateStopped, logprob_gap_threshold, run_dtype
@@ -33,7 +34,7 @@ def doctor_config(cfg: RLConfig, scratch: Path) -> RLConfig:
     live.trainer.run_dir, live.trainer.export_hf, live.trainer.loggers = str(scratch), False, ["jsonl"]
     live.trainer.resume, live.trainer.save_every, live.trainer.max_restarts = "disable", 0, 0
     gates = live.trainer.gates
-    for name in ("logprob_gap", "weight_sync", "zero_variance", "constant_reward", "entropy_collapse", "non_finite_loss"):
+    for name in GATE_NAMES:
         if getattr(gates, name) == "stop":
             setattr(gates, name, "warn")
     return live
