@@ -11,7 +11,7 @@ template (checked before any worker starts): cross-tokenizer distillation (TRL's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from rlframe.bounds import bounded, one_of
@@ -46,6 +46,17 @@ class TeacherConfig:
     max_concurrency: int = bounded(8, ">= 1")  # backend=url: requests in flight at once
     gpu_memory_utilization: float = bounded(0.3, "(0, 1]")  # backend=vllm on GPU: its share of device memory
     cpu_kv_cache_gib: float = bounded(0.5, "> 0")  # backend=vllm on CPU: its KV cache (pages released between uses)
+
+
+@dataclass
+class RoutedTeacherConfig:
+    """One entry of `teachers:`: the teacher of the rows whose data_source it lists (the others: `teacher:`)."""
+
+    path: Optional[str] = None  # its weights (backend=url: its tokenizer's folder), as teacher.path
+    backend: str = one_of("fsdp", TEACHER_BACKENDS)  # fsdp | vllm | url, as teacher.backend
+    url: Optional[str] = None  # backend=url: the server's base URL, as teacher.url
+    model: str = ""  # backend=url: the served model's name, as teacher.model
+    data_sources: list[str] = field(default_factory=list)  # the rows' data_source values this teacher scores
 
 
 @dataclass
@@ -136,8 +147,75 @@ def teacher_url_given(cfg, need) -> None:
              "(or drop teacher.url)")
 
 
+ROUTE_KEYS = ("path", "backend", "url", "model", "data_sources")
+
+
+def routed_teachers(cfg) -> dict[str, RoutedTeacherConfig]:
+    """cfg.teachers as {name: RoutedTeacherConfig} (entries given as mappings, from a recipe or the command line);
+    an entry with an unknown key raises ValueError naming it."""
+    out = {}
+    for name, entry in dict(getattr(cfg, "teachers", None) or {}).items():
+        if isinstance(entry, RoutedTeacherConfig):
+            out[str(name)] = entry
+            continue
+        entry = dict(entry or {})
+        unknown = sorted(set(entry) - set(ROUTE_KEYS))
+        if unknown:
+            raise ValueError(f"teachers.{name}.{unknown[0]}: not a key of a routed teacher ({', '.join(ROUTE_KEYS)})")
+        if "data_sources" in entry:
+            entry["data_sources"] = [str(source) for source in (entry["data_sources"] or [])]
+        out[str(name)] = RoutedTeacherConfig(**entry)
+    return out
+
+
+def _backend_view(cfg, route: RoutedTeacherConfig):
+    """A copy of cfg whose teacher: section is the route's (the single-teacher checks then apply to it as they are)."""
+    import copy
+
+    view = copy.copy(cfg)
+    view.teacher = copy.copy(cfg.teacher)
+    view.teacher.path, view.teacher.backend, view.teacher.url, view.teacher.model = (route.path, route.backend,
+                                                                                     route.url, route.model)
+    return view
+
+
+def routed_teachers_valid(cfg, need) -> None:
+    """teachers.<name>: a default teacher.path beside them (the rows no route lists); each route with a path that
+    resolves, a backend that can serve the loss, at least one data_source, none claimed by two routes."""
+    try:
+        routes = routed_teachers(cfg)
+    except ValueError as error:
+        key, message = str(error).split(": ", 1)
+        need(False, key, message)
+        return
+    if not routes:
+        return
+    need(cfg.teacher.path is not None, "teachers", "routed teachers need the default teacher.path too (it scores the "
+         "rows whose data_source no route lists). Fix: teacher.path=<an HF folder>")
+    owner: dict[str, str] = {}
+    for name, route in routes.items():
+        need(route.path is not None, f"teachers.{name}.path", "is unset. Fix: teachers.<name>.path=<an HF folder>")
+        need(bool(route.data_sources), f"teachers.{name}.data_sources",
+             "is empty: the route would score no row. Fix: teachers.<name>.data_sources=[<a data_source>]")
+        need(route.backend in TEACHER_BACKENDS, f"teachers.{name}.backend",
+             f"'{route.backend}' is not one of {', '.join(TEACHER_BACKENDS)}")
+        for source in route.data_sources:
+            need(source not in owner, f"teachers.{name}.data_sources",
+                 f"'{source}' is routed to teachers.{owner.get(source)} too. Fix: name each data_source once")
+            owner.setdefault(source, name)
+        if route.path is None:
+            continue
+
+        def need_here(ok, key, message, name=name):
+            need(ok, key.replace("teacher.", f"teachers.{name}.", 1), message)
+
+        view = _backend_view(cfg, route)
+        for check in (teacher_path_resolves, vllm_teacher_can_serve, teacher_url_given):
+            check(view, need_here)
+
+
 CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp,
-          teacher_colocated, vllm_teacher_can_serve, teacher_url_given)
+          teacher_colocated, vllm_teacher_can_serve, teacher_url_given, routed_teachers_valid)
 
 
 def _tokenizer_fingerprint(folder: str) -> dict:
@@ -171,4 +249,20 @@ def teacher_tokenizer_matches(cfg, need, model_dir) -> None:
          "Fix: a teacher with the student's tokenizer and chat template")
 
 
-FOLDER_CHECKS = (teacher_tokenizer_matches,)
+def routed_teacher_tokenizers_match(cfg, need, model_dir) -> None:
+    """Each routed teacher's tokenizer and chat template equal the student's, as the default teacher's."""
+    try:
+        routes = routed_teachers(cfg)
+    except ValueError:  # (reported by routed_teachers_valid)
+        return
+    for name, route in routes.items():
+        if route.path is None:
+            continue
+
+        def need_here(ok, key, message, name=name):
+            need(ok, key.replace("teacher.", f"teachers.{name}.", 1), message)
+
+        teacher_tokenizer_matches(_backend_view(cfg, route), need_here, model_dir)
+
+
+FOLDER_CHECKS = (teacher_tokenizer_matches, routed_teacher_tokenizers_match)

@@ -40,6 +40,8 @@ class TeacherSettings:
     api_key: str = field(default="", repr=False)  # url: the bearer token ("" none; never printed)
     timeout_s: float = 60.0  # url: seconds per request
     max_concurrency: int = 8  # url: requests in flight
+    # teachers routed by data_source: ((data_sources, their TeacherSettings), ...); the other rows: this one
+    routes: tuple = ()
 
 
 class TeacherWorker:
@@ -47,6 +49,7 @@ class TeacherWorker:
         self.settings = settings
         self.profile = settings.engine.device.profile()
         self.scorer = None
+        self.routes = [(frozenset(sources), TeacherWorker(route)) for sources, route in settings.routes]
         if settings.backend == "vllm":
             from rlframe.workers.rollout.vllm_scoring import VLLMScorer
 
@@ -86,7 +89,31 @@ class TeacherWorker:
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
         """teacher_log_prob [B, R]; teacher_topk_ids / teacher_topk_log_probs [B, R, K]; with student_topk_ids in
-        the batch, teacher_at_student_topk [B, R, K] (fsdp only)."""
+        the batch, teacher_at_student_topk [B, R, K] (fsdp only). With routes, each row by its data_source's
+        teacher (the others by this one)."""
+        if self.routes:
+            return self.routed(data)
+        return self.score(data)
+
+    def routed(self, data: DataProto) -> DataProto:
+        """Split the rows by data_source, score each part with its teacher, put the rows back in their places."""
+        sources = [str(s) for s in data.non_tensor_batch["data_source"]]
+        parts = [([i for i, s in enumerate(sources) if s in names], teacher) for names, teacher in self.routes]
+        routed = {i for rows, _ in parts for i in rows}
+        parts.append(([i for i in range(len(sources)) if i not in routed], self))
+        out: dict[str, torch.Tensor] = {}
+        for rows, teacher in parts:
+            if not rows:
+                continue
+            scored = teacher.score(data[rows]).batch
+            for key in scored.keys():
+                if key not in out:
+                    out[key] = torch.zeros((len(sources),) + tuple(scored[key].shape[1:]), dtype=scored[key].dtype)
+                out[key][torch.tensor(rows)] = scored[key]
+        return DataProto.from_dict(tensors=out)
+
+    def score(self, data: DataProto) -> DataProto:
+        """This teacher's outputs for every row of `data`."""
         if self.scorer is not None:
             return DataProto.from_dict(tensors=self.scorer.score(data))
         inputs = data.select(batch_keys=[k for k in ("input_ids", "attention_mask", "position_ids", "responses",
