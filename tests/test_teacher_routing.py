@@ -107,3 +107,20 @@ def test_a_two_step_run_routes_the_arithmetic_rows_to_their_teacher(tiny_model_d
     trained = [m for m in read_metrics(run_dir) if m["step"] > 0]
     assert [m["step"] for m in trained] == [1, 2]
     assert trained[0]["distill/reverse_kl_k3"] > 1e-3, trained[0]  # (the default teacher would give < 1e-6)
+
+
+def test_the_memory_plan_counts_every_local_teacher_and_no_served_one(tiny_model_dir):
+    from rlframe.config import RLConfig
+    from rlframe.memory_plan import plan_memory, read_shape
+
+    def teachers(cfg):
+        plan = plan_memory(cfg, read_shape(str(tiny_model_dir)), gpu=True, capacity_gib=80.0)
+        return [item for item in plan.devices[0].items if item.role == "teacher" and "weights" in item.what]
+
+    cfg = RLConfig()
+    cfg.teacher.path = str(tiny_model_dir)
+    one = len(teachers(cfg))
+    cfg.teachers = {"math": {"path": str(tiny_model_dir), "data_sources": ["gsm8k"]},
+                    "served": {"path": str(tiny_model_dir), "backend": "url", "url": "http://h:1/v1",
+                               "data_sources": ["code"]}}
+    assert one >= 1 and len(teachers(cfg)) == 2 * one
