@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from rlframe.doctor.result import CheckResult, failed, passed
+from rlframe.doctor.result import CheckResult, failed, passed, skipped
 
 GROUP = "live"
 SELF_KL_MAX_FLOAT32 = 1e-6  # teacher = student in fp32: the issue's bound for "0 to float precision"
@@ -78,7 +78,7 @@ def hf_response_log_probs(folder: str, batch, trust_remote_code: bool = False) -
 
 def self_teacher_settings(settings, student_path: str):
     """The run's teacher settings with the student's folder as the teacher's weights (the teacher = student check)."""
-    return dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, model_path=student_path))
+    return dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, model_path=student_path), routes=())
 
 
 def few_rows(batch, rows: int):
@@ -97,6 +97,15 @@ def run_teacher_checks(cfg, trainer, batch, model_path: str, threshold: float, d
     from rlframe.trainer.worker_settings import teacher_settings
     from rlframe.workers.roles.teacher import TeacherWorker
 
+    from rlframe.config.teacher import routed_teachers
+
+    routed = {source for route in routed_teachers(cfg).values() for source in route.data_sources}
+    if routed and "data_source" in batch.non_tensor_batch:  # the default teacher's rows only (teachers: routes)
+        own = [i for i, source in enumerate(batch.non_tensor_batch["data_source"]) if str(source) not in routed]
+        if not own:
+            return [skipped(GROUP, "teacher_self_kl", "every probe row is routed to a teachers: entry"),
+                    skipped(GROUP, "teacher_vs_hf", "every probe row is routed to a teachers: entry")]
+        batch = batch[own]
     rows = few_rows(batch, SAMPLES)
     mask = rows.batch["response_mask"]
     student = trainer.actor_rollout.compute_log_prob(rows).batch["old_log_probs"]
@@ -121,7 +130,6 @@ def url_teacher_checks(cfg, rows, teacher: torch.Tensor, threshold: float) -> li
     teacher.path holds the weights too, not only the tokenizer."""
     from pathlib import Path
 
-    from rlframe.doctor.result import skipped
     from rlframe.models.provision import resolve_model_path
 
     results = [skipped(GROUP, "teacher_self_kl", "teacher.backend=url: the served teacher cannot score as the student")]
