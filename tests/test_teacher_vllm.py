@@ -109,7 +109,7 @@ def test_vllm_teacher_config_errors_name_the_key(tiny_model_dir):
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
     message = str(error.value)
-    assert "distillation.top_k: is 32; a vLLM teacher returns at most 20" in message
+    assert "distillation.top_k: is 32; a vllm teacher returns at most 20" in message
     assert "distillation.loss_mode: reverse_kl_student_topk needs the teacher's log-probs at the student's" in message
     cfg.teacher.backend = "sglang"
     with pytest.raises(ConfigError) as error:
