@@ -314,9 +314,9 @@ def plan_memory(cfg, shape: ModelShape, *, gpu: bool, capacity_gib: float) -> Me
         if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             trainers += trainer_items(cfg, shape, "ref", world, b, gpu, train=False, micro=micro,
                                       checkpointing=False, logits=True)
-    if getattr(cfg, "teacher", None) is not None and cfg.teacher.path is not None:
-        teacher = trainer_items(cfg, teacher_shape(cfg, shape), "teacher", world, b, gpu, train=False, micro=micro,
-                                checkpointing=False, logits=True)
+    for teacher_path in local_teacher_paths(cfg):  # the default teacher and the routed ones (a served one: none)
+        teacher = trainer_items(cfg, teacher_shape(cfg, shape, teacher_path), "teacher", world, b, gpu, train=False,
+                                micro=micro, checkpointing=False, logits=True)
         if gpu and cfg.teacher.offload:  # on the device for its own pass only (workers/roles/teacher.py)
             teacher[0] = Item("teacher", teacher[0].what + ", on the host between passes (teacher.offload)",
                               teacher[0].gib, ("log-probs",))
@@ -435,11 +435,27 @@ def plans_gpu(cfg) -> bool:
     return torch.cuda.is_available()
 
 
-def teacher_shape(cfg, student: ModelShape) -> ModelShape:
-    """The teacher's shape from its folder (teacher.path); the student's while the folder is not on this machine."""
+def local_teacher_paths(cfg) -> list[str]:
+    """The folders of the teachers whose weights sit on the devices: teacher.path and each teachers.<name>.path,
+    except those served from a URL (backend=url)."""
+    if getattr(cfg, "teacher", None) is None or cfg.teacher.path is None:
+        return []
+    from rlframe.config.teacher import routed_teachers
+
+    paths = [cfg.teacher.path] if cfg.teacher.backend != "url" else []
+    try:
+        routes = routed_teachers(cfg).values()
+    except ValueError:  # (a config error, reported by the checks)
+        routes = []
+    return paths + [route.path for route in routes if route.path is not None and route.backend != "url"]
+
+
+def teacher_shape(cfg, student: ModelShape, path: str | None = None) -> ModelShape:
+    """The teacher's shape from its folder (`path`, default teacher.path); the student's while the folder is not on
+    this machine."""
     from rlframe.config.checks import local_model_dir
 
-    folder = local_model_dir(cfg.teacher.path)
+    folder = local_model_dir(path or cfg.teacher.path)
     return read_shape(folder) if folder is not None else student
 
 

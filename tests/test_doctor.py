@@ -231,3 +231,73 @@ def test_a_lora_adapter_that_never_reaches_the_engine_fails_the_sync_and_adapter
     assert status["live/logprob_gap_step0"] == "pass"  # before the step, engine and trainer were the same model
     assert all(s in ("pass", "skip") for name, s in status.items() if name.split("/")[0] in ("config", "data", "reward",
                                                                                              "template"))
+
+
+# ------------------------------------------------------------------ the teacher checks (on-policy distillation)
+def _scored_batch(vocab: int, rows: int = 4, prompt_width: int = 6, response_width: int = 5):
+    """Left-padded prompts and right-padded responses (one short), the layout of a rollout batch."""
+    import torch
+
+    from rlframe.protocol import DataProto
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (rows, prompt_width), generator=generator)
+    responses = torch.randint(3, vocab, (rows, response_width), generator=generator)
+    prompt_mask = torch.ones(rows, prompt_width, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    response_mask = torch.ones(rows, response_width)
+    response_mask[1, 3:] = 0
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], 1)
+    return DataProto.from_dict(tensors={
+        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "responses": responses,
+        "response_mask": response_mask})
+
+
+def _plain_teacher(folder, temperature: float = 1.0):
+    from rlframe.workers.roles.teacher import TeacherSettings, TeacherWorker
+    from rlframe.workers.settings import DeviceRequest, EngineSettings, ForwardSettings
+
+    return TeacherWorker(TeacherSettings(
+        engine=EngineSettings(model_path=str(folder), device=DeviceRequest(**CPU_DEVICE), use_remove_padding="true",
+                              top_k=4),
+        forward=ForwardSettings(micro_batch_size=2, temperature=temperature)))
+
+
+def test_teacher_checks_pass_teacher_equal_to_student_and_catch_another_teacher_and_a_tempered_engine(
+        tiny_model_dir, tmp_path):
+    """teacher_self_kl: the real actor's log-probs against a teacher role of the same folder (pass, < 1e-6 per
+    token) and of other weights (fail). teacher_vs_hf: the fsdp teacher against a plain HF forward (pass) and a
+    teacher engine at temperature 2 (fail: it scores another distribution than its weights give)."""
+    from conftest import build_tiny_model_dir, plain_actor
+    from rlframe.doctor.teacher_checks import (SELF_KL_MAX_FLOAT32, check_teacher_self_kl, check_teacher_vs_hf,
+                                               hf_response_log_probs)
+
+    actor = plain_actor(tiny_model_dir, packed="true")
+    data = _scored_batch(actor.engine.model.config.vocab_size)
+    mask = data.batch["response_mask"]
+    student = actor.compute_log_prob(data).batch["old_log_probs"]
+    own = _plain_teacher(tiny_model_dir).compute_teacher_log_prob(data).batch["teacher_log_prob"]
+    healthy = check_teacher_self_kl(student, own, mask, SELF_KL_MAX_FLOAT32)
+    assert healthy.status == "pass" and "on 18 sampled tokens" in healthy.measured, healthy
+    other_dir = build_tiny_model_dir(tmp_path / "other", seed=1)
+    other = _plain_teacher(other_dir).compute_teacher_log_prob(data).batch["teacher_log_prob"]
+    broken = check_teacher_self_kl(student, other, mask, SELF_KL_MAX_FLOAT32)
+    assert broken.status == "fail" and "temperature" in broken.fix, broken
+
+    reference = hf_response_log_probs(str(tiny_model_dir), data)
+    assert check_teacher_vs_hf("fsdp", own, reference, mask, 1e-3).status == "pass"
+    assert float(((own - reference).abs() * mask).max()) < 1e-5  # fp32: packed fsdp vs padded HF, float noise
+    tempered = _plain_teacher(tiny_model_dir, temperature=2.0).compute_teacher_log_prob(data).batch["teacher_log_prob"]
+    caught = check_teacher_vs_hf("fsdp", tempered, reference, mask, 1e-3)
+    assert caught.status == "fail" and "teacher.backend=fsdp" in caught.measured, caught
+
+
+def test_the_doctor_runs_the_teacher_checks_on_opd_math_with_the_student_as_teacher(tmp_path, tiny_model_dir):
+    """A live doctor run of recipe=opd_math, teacher.path = the student's folder: both teacher checks pass."""
+    done, checks, _ = run_doctor(tmp_path, tiny_model_dir, "opd_math", f"teacher.path={tiny_model_dir}",
+                                 "rollout.engine=hf")
+    assert checks["live/teacher_self_kl"]["status"] == "pass", (checks.get("live/teacher_self_kl"), done.stdout[-3000:],
+                                                                done.stderr[-3000:])
+    assert checks["live/teacher_vs_hf"]["status"] == "pass", checks["live/teacher_vs_hf"]
+    assert "mean reverse KL" in checks["live/teacher_self_kl"]["measured"]

@@ -15,7 +15,7 @@ from rlframe.config.gates import GatesConfig
 from rlframe.protocol import DataProto
 from rlframe.trainer.gates import (Gates, GateStopped, constant_reward_gate, entropy_collapse_gate, logprob_gap_gate,
                                    logprob_gap_threshold, non_finite_loss_gate, run_dtype, step_signals,
-                                   weight_sync_gate, zero_variance_gate, zero_variance_share)
+                                   topk_overlap_gate, weight_sync_gate, zero_variance_gate, zero_variance_share)
 from rlframe.workers.weight_broadcast import (CHECKSUM_SAMPLES, checksum_close, compare_checksums, tensor_checksum)
 
 
@@ -184,3 +184,28 @@ def test_a_gate_that_fires_every_step_keeps_the_driver_bounded(tmp_path):
     assert len(logged) > 2 * FIRED_KEPT  # both gates fire on (nearly) every step
     assert len(gates.fired) == FIRED_KEPT
     assert [(e.name, e.step) for e in gates.fired] == [(r["name"], r["step"]) for r in logged[-FIRED_KEPT:]]
+
+
+def test_topk_overlap_gate_fires_on_a_collapsed_overlap_and_holds_on_a_healthy_or_recovering_one(tmp_path):
+    """Hand-made distillation metrics: an overlap below topk_overlap_min two steps in a row fires (with the value,
+    the threshold and the doctor check named); a healthy overlap, one low step, and a run without a teacher do not."""
+    assert topk_overlap_gate(2, [0.9, 0.1], 0.2, 2) is None  # one low step: not yet
+    assert topk_overlap_gate(3, [0.1, 0.25, 0.1], 0.2, 2) is None  # recovered in between
+    event = topk_overlap_gate(3, [0.9, 0.15, 0.05], 0.2, 2)
+    assert (event.name, event.value, event.threshold) == ("topk_overlap", 0.05, 0.2)
+    assert "live/teacher_self_kl" in event.cause
+
+    steady = {"reward/zero_variance_groups": 0.0, "reward/score_std": 0.5, "rollout/sampled_nll": 0.4}
+    collapsing = Gates(GatesConfig(), "float32", tmp_path)
+    verdicts = [collapsing.check(step, {**steady, "distill/topk_overlap": overlap})["gates/topk_overlap"]
+                for step, overlap in enumerate([0.8, 0.7, 0.12, 0.08, 0.3], start=1)]
+    assert verdicts == [0.0, 0.0, 0.0, 1.0, 0.0]
+    rows = [json.loads(line) for line in (tmp_path / "gates.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["step"], r["value"]) for r in rows] == [("topk_overlap", 4, 0.08)]
+
+    healthy = Gates(GatesConfig(), "float32", None)
+    assert all(healthy.check(step, {**steady, "distill/topk_overlap": 0.75})["gates/topk_overlap"] == 0.0
+               for step in range(1, 5))
+    assert "gates/topk_overlap" not in Gates(GatesConfig(), "float32", None).check(1, steady)  # no teacher
+    assert Gates(GatesConfig(topk_overlap_min=0.5, topk_overlap_steps=1), "float32", None).check(
+        1, {**steady, "distill/topk_overlap": 0.4})["gates/topk_overlap"] == 1.0  # the threshold is the config's

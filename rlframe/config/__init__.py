@@ -95,6 +95,11 @@ class RLConfig:
     # On-policy distillation (rlframe/config/teacher.py): a frozen teacher scoring the student's samples.
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)  # the loss, with teacher.path
+    # several teachers routed by the rows' data_source: {name: {path, backend, url, model, data_sources: [...]}};
+    # the rows no route lists go to teacher: (docs/distillation.md)
+    # (each entry is read as a RoutedTeacherConfig by rlframe.config.teacher.routed_teachers: Hydra cannot assign a
+    # command-line dict to a typed dict entry)
+    teachers: dict[str, Any] = field(default_factory=dict)
     # The engines' own sections: each engine package's settings class, handed to its engine as is.
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)  # actor.strategy=deepspeed
     megatron: MegatronSettings = field(default_factory=MegatronSettings)  # actor.strategy=megatron

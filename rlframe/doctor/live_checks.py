@@ -6,6 +6,7 @@
     checksums before; trainer.train_step(1)         # one real step: generate, score, update, weight sync
     checksums after, sync report; b3 = probe()      # the engine changed and equals the trainer; gap after the sync
     LoRA: b3 against the adapted and the base model # the adapter reached the engine
+    teacher: on b1, teacher = student gives KL 0; the teacher backend agrees with an HF forward  (teacher_checks.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlframe.config import RLConfig
+from rlframe.config.gates import GATE_NAMES
 from rlframe.doctor.result import CheckResult, failed, passed, skipped, warned
 from rlframe.doctor.reward_checks import check_group_signal
 from rlframe.trainer.gates import GateStopped, logprob_gap_threshold, run_dtype
@@ -32,7 +34,7 @@ def doctor_config(cfg: RLConfig, scratch: Path) -> RLConfig:
     live.trainer.run_dir, live.trainer.export_hf, live.trainer.loggers = str(scratch), False, ["jsonl"]
     live.trainer.resume, live.trainer.save_every, live.trainer.max_restarts = "disable", 0, 0
     gates = live.trainer.gates
-    for name in ("logprob_gap", "weight_sync", "zero_variance", "constant_reward", "entropy_collapse", "non_finite_loss"):
+    for name in GATE_NAMES:
         if getattr(gates, name) == "stop":
             setattr(gates, name, "warn")
     return live
@@ -170,6 +172,10 @@ def probe_and_step(trainer, cfg: RLConfig, threshold: float, dtype: str, start_s
     results.append(check_determinism(first, second))
     old = trainer.actor_rollout.compute_log_prob(first).batch["old_log_probs"]
     results.append(check_gap("logprob_gap_step0", gap(first, old), threshold, dtype, "at step 0"))
+    if trainer.workers.teacher is not None:  # before the step: the actor still holds the student's folder weights
+        from rlframe.doctor.teacher_checks import run_teacher_checks
+
+        results += run_teacher_checks(cfg, trainer, first, trainer.model_path, threshold, dtype)
     before = trainer.actor_rollout.weight_checksums()[0]
     step_start = trainer.clock.start_step(1)
     try:

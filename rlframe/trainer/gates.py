@@ -127,6 +127,19 @@ def non_finite_loss_gate(step: int, metrics: dict[str, float]) -> GateEvent | No
     return None
 
 
+def topk_overlap_gate(step: int, recent: list[float], min_overlap: float, steps: int) -> GateEvent | None:
+    """Fires when distill/topk_overlap (|top-k teacher ∩ top-k student| / K, mean per position) stayed below
+    `min_overlap` `steps` steps in a row."""
+    if len(recent) < steps or any(value >= min_overlap for value in recent[-steps:]):
+        return None
+    return GateEvent("topk_overlap", step, f"distill/topk_overlap ({steps} steps in a row)", recent[-1], min_overlap,
+                     "the teacher's and the student's top-k tokens barely overlap: the top-k losses compare "
+                     "distributions on almost disjoint support (unstable, dominated by the tail bucket). A teacher "
+                     "too far from the student (another tokenizer or chat template, another task), too high a "
+                     "learning rate, or a teacher scoring misaligned positions (python -m rlframe.doctor: "
+                     "live/teacher_self_kl)")
+
+
 # ------------------------------------------------------------------------------------ signals of a step
 def group_scores(batch) -> tuple[np.ndarray, np.ndarray]:
     """(each response's score: the sum of its token-level scores [N], its prompt's uid [N])."""
@@ -177,10 +190,12 @@ class Gates:
     def __init__(self, config: GatesConfig, dtype: str, run_dir: Path | None):
         self.config, self.run_dir, self.dtype = config, run_dir, dtype
         self.gap_threshold = logprob_gap_threshold(config, dtype)
-        longest = max(config.zero_variance_window, config.constant_reward_steps, config.entropy_collapse_steps)
+        longest = max(config.zero_variance_window, config.constant_reward_steps, config.entropy_collapse_steps,
+                      config.topk_overlap_steps)
         self.shares: deque = deque(maxlen=longest)
         self.stds: deque = deque(maxlen=longest)
         self.entropies: deque = deque(maxlen=longest)
+        self.overlaps: deque = deque(maxlen=longest)  # distill/topk_overlap (distillation runs only)
         self.first_entropy: float | None = None
         # the latest events (the doctor reads its one step's); every one is in <run_dir>/gates.jsonl. Bounded: a
         # gate that warns every step of a long run must not grow the driver (issue 44's soak: 2 events a step)
@@ -189,7 +204,8 @@ class Gates:
     def evaluate(self, step: int, metrics: dict[str, float], sync_check: dict | None) -> dict[str, GateEvent | None]:
         """Each enabled gate's event (None: it held) for this step; updates the history."""
         c, m = self.config, metrics
-        for key, history in (("reward/zero_variance_groups", self.shares), ("reward/score_std", self.stds)):
+        for key, history in (("reward/zero_variance_groups", self.shares), ("reward/score_std", self.stds),
+                             ("distill/topk_overlap", self.overlaps)):
             if key in m:
                 history.append(m[key])
         entropy = m.get("actor/entropy", m.get("rollout/sampled_nll"))
@@ -205,7 +221,10 @@ class Gates:
             "entropy_collapse": lambda: entropy_collapse_gate(step, list(self.entropies), self.first_entropy,
                                                               c.entropy_min_ratio, c.entropy_collapse_steps),
             "non_finite_loss": lambda: non_finite_loss_gate(step, m),
+            "topk_overlap": lambda: topk_overlap_gate(step, list(self.overlaps), c.topk_overlap_min, c.topk_overlap_steps),
         }
+        if "distill/topk_overlap" not in m:  # a run without a teacher: the distillation gate is not one of its gates
+            rules.pop("topk_overlap")
         return {name: rule() for name, rule in rules.items() if getattr(c, name) != "off"}
 
     def check(self, step: int, metrics: dict[str, float], sync_check: dict | None = None) -> dict[str, float]:
@@ -232,12 +251,13 @@ class Gates:
         """The history the rules over several steps read (saved in a checkpoint: a resumed run fires as the
         uninterrupted one would)."""
         return {"shares": list(self.shares), "stds": list(self.stds), "entropies": list(self.entropies),
-                "first_entropy": self.first_entropy}
+                "first_entropy": self.first_entropy, "overlaps": list(self.overlaps)}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares.extend(state.get("shares", []))
         self.stds.extend(state.get("stds", []))
         self.entropies.extend(state.get("entropies", []))
+        self.overlaps.extend(state.get("overlaps", []))
         self.first_entropy = state.get("first_entropy")
 
     def record(self, event: GateEvent) -> None:
@@ -258,4 +278,4 @@ def sync_check_metrics(check: dict | None) -> dict[str, float]:
 
 __all__ = ["GateEvent", "GateStopped", "Gates", "constant_reward_gate", "entropy_collapse_gate", "logprob_gap_gate",
            "logprob_gap_threshold", "non_finite_loss_gate", "run_dtype", "step_signals", "sync_check_metrics",
-           "weight_sync_gate", "zero_variance_gate", "zero_variance_share"]
+           "topk_overlap_gate", "weight_sync_gate", "zero_variance_gate", "zero_variance_share"]

@@ -252,7 +252,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("mem/*", P, "Memory readings of the memory plan's roles.", ""),
     # gates
     Metric("gates/*", G, "1 on a step where that gate fired (logprob_gap, weight_sync, zero_variance, "
-           "constant_reward, entropy_collapse, non_finite_loss), else 0.", "0 everywhere."),
+           "constant_reward, entropy_collapse, non_finite_loss; topk_overlap on distillation runs), else 0.", "0 everywhere."),
     # algorithms
     Metric("partial/*", AL, "Partial rollouts (rollout.partial): rounds, held-back and carried responses and "
            "tokens, token staleness, restarted groups, mixed-version share.",

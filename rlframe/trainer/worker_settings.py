@@ -9,7 +9,11 @@ package's settings class), which reaches it as is. Every training engine's setti
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from rlframe.config import OptimConfig, RLConfig, off_policy_correction, policy_loss_options
+from rlframe.config.teacher import routed_teachers
 from rlframe.workers.engine.registry import engine_section
 from rlframe.workers.settings import (ActorSettings, AgentProgramSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
                                      LoraSettings, MultiTurnSettings, OptimSettings, PolicyLossSettings, RefSettings,
@@ -141,7 +145,8 @@ def distillation_loss_settings(cfg: RLConfig) -> dict:
 
 
 def teacher_settings(cfg: RLConfig, teacher_path: str):
-    """The teacher's frozen fsdp engine (top-k per position) at temperature 1, on the actor's devices."""
+    """The teacher's frozen engine (teacher.backend: fsdp or vllm; top-k per position) at temperature 1, on the
+    actor's devices."""
     from rlframe.workers.roles.teacher import TeacherSettings
 
     engine = EngineSettings(model_path=teacher_path, strategy="fsdp", head="causal_lm", device=device_request(cfg),
@@ -149,7 +154,26 @@ def teacher_settings(cfg: RLConfig, teacher_path: str):
                             use_remove_padding=str(cfg.actor.use_remove_padding), top_k=cfg.distillation.top_k)
     forward = ForwardSettings(micro_batch_size=cfg.teacher.micro_batch_size,
                               max_tokens_per_micro_batch=cfg.actor.log_prob_max_token_len_per_device, temperature=1.0)
-    return TeacherSettings(engine=engine, forward=forward, offload=cfg.teacher.offload)
+    settings = TeacherSettings(engine=engine, forward=forward, offload=cfg.teacher.offload, backend=cfg.teacher.backend,
+                           max_model_len=rollout_settings(cfg, teacher_path).max_model_len + 1,  # (+ the 1 token vLLM samples)
+                           gpu_memory_utilization=cfg.teacher.gpu_memory_utilization,
+                           cpu_kv_cache_gib=cfg.teacher.cpu_kv_cache_gib, url=cfg.teacher.url or "",
+                           served_model=cfg.teacher.model, timeout_s=cfg.teacher.timeout_s,
+                           max_concurrency=cfg.teacher.max_concurrency,
+                           api_key=os.environ.get(cfg.teacher.api_key_env, "") if cfg.teacher.backend == "url" else "")
+    return dataclasses.replace(settings, routes=tuple(
+        (tuple(route.data_sources), routed_teacher_settings(cfg, settings, route))
+        for route in routed_teachers(cfg).values()))
+
+
+def routed_teacher_settings(cfg: RLConfig, default, route):
+    """One `teachers:` entry: the default teacher's settings with the route's folder, backend and server."""
+    from rlframe.models.provision import resolve_model_path
+
+    return dataclasses.replace(
+        default, engine=dataclasses.replace(default.engine, model_path=resolve_model_path(route.path)),
+        backend=route.backend, url=route.url or "", served_model=route.model,
+        api_key=os.environ.get(cfg.teacher.api_key_env, "") if route.backend == "url" else "")
 
 
 def log_prob_settings(cfg: RLConfig) -> ForwardSettings:
