@@ -136,14 +136,16 @@ def _distill_step(actor, teacher, data, mode: str, step: int) -> dict:
 @pytest.mark.parametrize("packed", ["false", "true"])
 @pytest.mark.parametrize("mode", MODES)
 def test_teacher_equal_to_student_gives_zero_kl_for_every_loss(mode, packed, tiny_model_dir):
-    """The student as its own teacher (the same folder), real update steps: per-token KL < 1e-6 and no gradient.
+    """The student as its own teacher (the same folder), real update steps: per-token KL < 1e-6 and no gradient
+    at step 1; at step 2 the same after an exactly zero gradient, else within AdamW's noise step (below).
 
     Teacher and student forwards use the same micro-batches here: cut differently, the packed forwards differ by
     ~1e-7 per log-prob, a noise gradient that AdamW normalises to a step of about lr per weight, after which the
     KL is no longer float-exact (measured: 4.6e-4 at step 2 for k3, lr 1e-5)."""
     actor, teacher = _workers(tiny_model_dir, tiny_model_dir, mode, packed, lr=1e-5)  # (the recipes' lr)
     data = _batch(actor.engine.model.config.vocab_size)
-    for step, tolerance in ((1, 1e-6), (2, 1e-6)):
+    tolerance = 1e-6
+    for step in (1, 2):
         metrics = _distill_step(actor, teacher, data, mode, step)
         assert abs(metrics["distill/reverse_kl"]) < tolerance and metrics["distill/reverse_kl_k3"] < tolerance, (
             step, metrics)
@@ -153,6 +155,10 @@ def test_teacher_equal_to_student_gives_zero_kl_for_every_loss(mode, packed, tin
         if step == 1:
             assert metrics["actor/grad_norm"] < 1e-5, metrics
             assert metrics["distill/student_topk_mass"] == pytest.approx(metrics["distill/teacher_topk_mass"], abs=1e-6)
+            # Step 2 is float-exact only after an exactly zero gradient: a float-noise one (the packed forward's
+            # ~1e-7 per log-prob, which varies with the threads' reduction order) becomes an AdamW step of about
+            # lr per weight, and the student then differs from its frozen copy (measured 3.4e-4 - 4.6e-4).
+            tolerance = 1e-6 if metrics["actor/grad_norm"] == 0.0 else 1e-3
     assert actor.engine.optimizer_steps == 2
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,9 @@ def test_the_healthy_grpo_math_configuration_passes_every_check(tmp_path, tiny_m
         assert name in checks, name
     assert " 0 of " in checks["live/weight_sync"]["measured"] and "moved there too" in checks["live/weight_sync"]["measured"]
     assert "PASS  live/weight_sync" in done.stdout and "doctor: " in done.stdout
+    # the quiet console of rlframe.main: no worker's own lines (vLLM, transformers) on it, they are in files
+    assert not re.search(r"\(\w+ pid=\d+\)", done.stdout + done.stderr), (done.stdout + done.stderr)[-3000:]
+    assert list(run_dir.glob("**/logs/worker-*.log"))
     if vllm_installed():  # the recipe's engine: auto -> vLLM, whose checksums read back what stays readable
         assert "engine=vllm" in done.stdout
     assert not (run_dir / "gates.jsonl").exists() or not (run_dir / "gates.jsonl").read_text()

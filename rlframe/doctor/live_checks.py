@@ -146,7 +146,7 @@ def run_live_checks(cfg: RLConfig, model_path: str, tokenizer, train_files: list
 
     dtype = run_dtype(cfg.model.dtype, plans_gpu(cfg))
     threshold = logprob_gap_threshold(cfg.trainer.gates, dtype)
-    init_ray(live)
+    init_ray(live, Path(live.trainer.run_dir))  # the quiet console: workers' output to <doctor run dir>/logs/
     start = time.perf_counter()
     trainer = RLTrainer(live, model_path, tokenizer, train_files, val_files, Path(live.trainer.run_dir))
     start_s = time.perf_counter() - start
