@@ -62,6 +62,10 @@ class DataConfig:
     video_max_frames: int = bounded(32, ">= 2")  # at most this many frames per video (an item's max_frames overrides it)
     video_min_pixels: Optional[int] = bounded(None, ">= 1")  # one frame's pixel floor (null: data.min_pixels)
     video_max_pixels: Optional[int] = bounded(None, ">= 1")  # one frame's pixel cap (null: data.max_pixels)
+    # Audios (verl layout [path] or [{"array": [...], "sampling_rate": N}], LLaMA-Factory's [path]; .wav files;
+    # one <audio> placeholder per audio; rlframe/data/audio.py): the column of each row's audios. Each is decoded
+    # and resampled to the model's feature rate (16000 Hz) once, before Ray starts; a bad file is named by file, row, column.
+    audio_key: str = "audios"
     # a plain ground-truth column (e.g. answer); null: the verl layout's reward_model.ground_truth
     answer_key: Optional[str] = None
     max_prompt_length: int = bounded(128, ">= 1")  # tokens, after the chat template
