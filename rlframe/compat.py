@@ -193,6 +193,7 @@ PEER_KEYS: dict[str, tuple[str | None, Callable | None]] = {
     "data.video_key": ("data.video_key", None),
     "data.video_fps": ("data.video_fps", None),  # EasyR1
     "data.video_max_frames": ("data.video_max_frames", None),
+    "data.audio_key": ("data.audio_key", None),  # verl (rlframe/data/audio.py)
     "worker.actor.model.freeze_vision_tower": ("actor.freeze_vision_tower", None),
     # ---- EasyR1 (examples/config.yaml)
     "data.rollout_batch_size": ("data.train_batch_size", None),

@@ -209,7 +209,7 @@ def docs_page_of(recipe: dict) -> str:
         return "agents.md"
     if "teacher" in recipe:
         return "distillation.md"
-    if (recipe.get("data") or {}).get("source") == "shapes":
+    if (recipe.get("data") or {}).get("source") in ("shapes", "tones"):
         return "vision.md"
     if (recipe.get("data") or {}).get("train_files"):
         return "data.md"

@@ -161,7 +161,7 @@ def compose_config(argv: list[str]) -> RLConfig:
     # data.train_files / val_files: a string or a list, `~` and globs; giving files implies source=files.
     cfg.data.train_files = resolve_data_files(cfg.data.train_files)
     cfg.data.val_files = resolve_data_files(cfg.data.val_files)
-    if cfg.data.train_files and cfg.data.source in ("arithmetic", "shapes"):  # (the generated data sets)
+    if cfg.data.train_files and cfg.data.source in ("arithmetic", "shapes", "tones"):  # (the generated data sets)
         if any(a.startswith("data.source=") for a in overrides):
             raise UsageError(f"data.source={cfg.data.source} together with data.train_files: pick one. "
                              "Fix: drop data.train_files, or data.source=files")
@@ -239,6 +239,13 @@ def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
                                                        seed=s.seed, size=s.size, frames=s.frames, fps=s.fps)
             return [str(train)], [str(val)]
         train, val = generate_shapes_dataset(run_dir / "data", n_train=s.n_train, n_val=s.n_val, seed=s.seed, size=s.size)
+        return [str(train)], [str(val)]
+    if cfg.data.source == "tones":  # generated sine-tone clips, "how many beeps" / "which is higher" (audio)
+        from rlframe.data.audio_tones import generate_audio_tones_dataset
+
+        t = cfg.data.tones
+        train, val = generate_audio_tones_dataset(run_dir / "data", n_train=t.n_train, n_val=t.n_val, seed=t.seed,
+                                                  rate=t.rate, beep_seconds=t.beep_seconds, gap_seconds=t.gap_seconds)
         return [str(train)], [str(val)]
     from rlframe.data.arithmetic import generate_arithmetic_dataset
 

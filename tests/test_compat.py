@@ -101,6 +101,7 @@ def test_peer_key_without_equivalent_names_closest():
     # (data.video_key translates since videos are read: rlframe/data/video.py)
     assert translate_overrides(["data.video_key=clips", "data.video_fps=1.0"])[0] == ["data.video_key=clips",
                                                                                    "data.video_fps=1.0"]
+    assert translate_overrides(["data.audio_key=sounds"])[0] == ["data.audio_key=sounds"]  # verl's (rlframe/data/audio.py)
     with pytest.raises(CompatError, match=r"tensor_model_parallel_size=2.*rollout.world_size"):
         translate_overrides(["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     with pytest.raises(CompatError, match=r"actor_rollout_ref.actor.foo_bar.*no translation"):

@@ -66,6 +66,10 @@ SIZES: dict[str, list[str]] = {
     "grpo_video_shapes": ["data.shapes.n_train=8", "data.shapes.n_val=4", "data.val_max_samples=4",
                           "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
                           LENGTH_REWARD, "actor.optim.lr=1e-3"],
+    # the same for the audio recipe: 8 tone clips, 2 prompts x 4 samples per step
+    "grpo_audio_tones": ["data.tones.n_train=8", "data.tones.n_val=4", "data.val_max_samples=4",
+                         "data.max_response_length=8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                         LENGTH_REWARD, "actor.optim.lr=1e-3"],
     # the example agent (openai client) through the gateway; a test parser makes every model turn call the calculator
     "grpo_gateway_math": ["data.max_response_length=96", "rollout.agent_program.max_tokens_per_call=8",
                           "rollout.agent_program.tool_format=" + str(REPO_ROOT / "tests" / "test_gateway.py")
@@ -135,8 +139,8 @@ def recipe_stage(recipe: str) -> str:
 
 def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
     args = [f"recipe={recipe}", *TINY_SIZES, *SIZES.get(recipe, []), *EXTRA_ARGS.get(recipe, [])]
-    if recipe in ("grpo_vlm_shapes", "grpo_video_shapes"):
-        return args  # its own model: the tiny Qwen2.5-VL the cache builds (model.path: tiny-qwen2.5-vl)
+    if recipe in ("grpo_vlm_shapes", "grpo_video_shapes", "grpo_audio_tones"):
+        return args  # its own model: the tiny Qwen2.5-VL (Qwen2-Audio) the cache builds (model.path: tiny-qwen2.5-vl)
     args.append(f"model.path={model_dir}")
     if recipe == "grpo_judge_math":  # the judge: a small OpenAI-compatible server in this process (docs/judge.md)
         args.append(f"reward.judge.url={request.getfixturevalue('rubric_judge').url}")
@@ -179,6 +183,8 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
         check_main_job_run(run_dir, result.stdout, trained)
     if recipe in ("grpo_vlm_shapes", "grpo_video_shapes"):
         check_vlm_run(run_dir, trained)
+    if recipe == "grpo_audio_tones":
+        check_audio_run(run_dir, trained)
     if recipe in ("grpo_feedback_math", "grpo_tool_math"):
         assert "engine=vllm" in result.stdout or not vllm_installed()
         check_multi_turn_run(run_dir, continuous=vllm_installed(), environment=recipe == "grpo_feedback_math")
@@ -235,6 +241,21 @@ def check_vlm_run(run_dir: Path, trained: list[dict]) -> None:
     from transformers import AutoModelForImageTextToText
 
     assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "Qwen2_5_VLForConditionalGeneration"
+
+
+def check_audio_run(run_dir: Path, trained: list[dict]) -> None:
+    """HF rollout and trainer see the same audio features; step 1 moved the weights; the export is a Qwen2-Audio
+    with its feature extractor."""
+    for step in trained:
+        for key in ("actor/pg_loss", "actor/grad_norm", "rollout/logprob_abs_diff", "actor/kl_loss"):
+            assert key in step, (step["step"], key)
+        assert step["rollout/logprob_abs_diff"] < 1e-4
+    assert trained[0]["actor/grad_norm"] > 0 and trained[1]["actor/kl_loss"] > 0
+    export = run_dir / "hf_model"
+    from transformers import AutoFeatureExtractor, Qwen2AudioForConditionalGeneration
+
+    assert AutoFeatureExtractor.from_pretrained(export).sampling_rate == 16000
+    assert type(Qwen2AudioForConditionalGeneration.from_pretrained(export)).__name__ == "Qwen2AudioForConditionalGeneration"
 
 
 def assert_export_loads(export_dir: Path) -> None:

@@ -281,6 +281,11 @@ def video_rows(tmp: Path, video) -> list[str]:
     return [f"data.train_files={jsonl(tmp / 'videos.jsonl', rows)}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
 
 
+def audio_rows(tmp: Path, audio) -> list[str]:
+    rows = [{**good_row(i, [{"role": "user", "content": "<audio>How many beeps?"}]), "audios": [audio]} for i in range(4)]
+    return [f"data.train_files={jsonl(tmp / 'audios.jsonl', rows)}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+
+
 def stage_rows(tmp: Path, stage: str, rows: list[dict], *extra: str) -> list[str]:
     return [f"stage={stage}", f"data.train_files={jsonl(tmp / f'{stage}.jsonl', rows)}", *extra]
 
@@ -362,6 +367,10 @@ FILE_CASES = {
                                     ["field 'videos[0][0]': cannot decode the image"]),
     "video without its placeholder": (lambda tmp: [f"data.train_files={jsonl(tmp / 'vid.jsonl', [{**good_row(), 'videos': ['a.avi']}] * 4)}"],
                                       ["vid.jsonl, row 0", "0 <video> placeholder(s) in the prompt but 1 video(s)"]),
+    # audios (verl's / LLaMA-Factory's layout: a .wav path, or {"array", "sampling_rate"})
+    "audio does not decode": (lambda tmp: audio_rows(tmp, str(write(tmp, "bad.wav", b"RIFF....WAVE" + b"\0" * 64))),
+                              ["audios.jsonl, row 0: field 'audios[0]': cannot decode the audio", "bad.wav"]),
+    "audio file missing": (lambda tmp: audio_rows(tmp, "missing.wav"), ["field 'audios[0]': audio file not found", "missing.wav"]),
     "image without its placeholder": (lambda tmp: [f"data.train_files={jsonl(tmp / 'img.jsonl', [{**good_row(), 'images': [{'path': 'a.png'}]}] * 4)}"],
                                       ["img.jsonl, row 0", "0 <image> placeholder(s) in the prompt but 1 image(s)"]),
     # stages

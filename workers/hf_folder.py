@@ -48,9 +48,11 @@ def copy_tokenizer(source: str | Path, out: Path) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
-    image_processor = Path(source) / "preprocessor_config.json"  # vision-language models: their image processor
-    if image_processor.is_file():
-        (out / image_processor.name).write_bytes(image_processor.read_bytes())
+    # vision-language models: their image processor; audio-language ones: their feature extractor (either file)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        processor = Path(source) / name
+        if processor.is_file():
+            (out / name).write_bytes(processor.read_bytes())
     try:
         GenerationConfig.from_pretrained(source).save_pretrained(out)
     except OSError:

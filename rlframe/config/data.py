@@ -35,8 +35,20 @@ class ShapesDataConfig:
 
 
 @dataclass
+class TonesDataConfig:
+    """data.source=tones: generated sine-tone clips + "how many beeps" / "which is higher" (rlframe/data/audio_tones.py)."""
+    n_train: int = bounded(64, ">= 1")  # generated training clips
+    n_val: int = bounded(16, ">= 1")  # generated validation clips
+    seed: int = bounded(0, ">= 0")  # the generator's seed
+    rate: int = bounded(8000, ">= 2000")  # the .wav files' sampling rate in Hz (the reader resamples to the model's)
+    beep_seconds: float = bounded(0.15, "> 0")  # one beep's length in seconds
+    gap_seconds: float = bounded(0.1, "> 0")  # the silence between beeps (and before and after) in seconds
+
+
+@dataclass
 class DataConfig:
-    source: str = "arithmetic"  # arithmetic (generated) | shapes (generated, with images) | files
+    # arithmetic (generated) | shapes (generated, with images or videos) | tones (generated, with audio) | files
+    source: str = "arithmetic"
     # A file, a list of files, `~` and globs (parquet, jsonl, json, csv, arrow, datasets folders, hub
     # ids name@split); giving train_files implies source=files (rlframe/data/files.py).
     train_files: Any = field(default_factory=list)
@@ -44,6 +56,7 @@ class DataConfig:
     val_files: Any = field(default_factory=list)
     arithmetic: ArithmeticDataConfig = field(default_factory=ArithmeticDataConfig)
     shapes: ShapesDataConfig = field(default_factory=ShapesDataConfig)
+    tones: TonesDataConfig = field(default_factory=TonesDataConfig)
     prompt_key: str = "prompt"  # the prompt column: a chat list of messages or a plain string
     # Images (verl/EasyR1 layout, rlframe/data/multimodal.py): the column holding each row's list of
     # images, one <image> placeholder per image in the prompt. An image outside [min_pixels,
@@ -62,6 +75,10 @@ class DataConfig:
     video_max_frames: int = bounded(32, ">= 2")  # at most this many frames per video (an item's max_frames overrides it)
     video_min_pixels: Optional[int] = bounded(None, ">= 1")  # one frame's pixel floor (null: data.min_pixels)
     video_max_pixels: Optional[int] = bounded(None, ">= 1")  # one frame's pixel cap (null: data.max_pixels)
+    # Audios (verl layout [path] or [{"array": [...], "sampling_rate": N}], LLaMA-Factory's [path]; .wav files;
+    # one <audio> placeholder per audio; rlframe/data/audio.py): the column of each row's audios. Each is decoded
+    # and resampled to the model's feature rate (16000 Hz) once, before Ray starts; a bad file is named by file, row, column.
+    audio_key: str = "audios"
     # a plain ground-truth column (e.g. answer); null: the verl layout's reward_model.ground_truth
     answer_key: Optional[str] = None
     max_prompt_length: int = bounded(128, ">= 1")  # tokens, after the chat template
@@ -78,7 +95,7 @@ class DataConfig:
     seed: int = bounded(0, ">= 0")  # seed of the training order (shuffle) and of the stages' prompt orders
 
 
-SOURCES = ("arithmetic", "shapes", "files")
+SOURCES = ("arithmetic", "shapes", "tones", "files")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")  # (rlframe/data/dataset.py read_rows)
 
 
@@ -86,7 +103,7 @@ DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")  # (rlframe/da
 
 
 def source_known(cfg, need) -> None:
-    need(cfg.data.source in SOURCES, "data.source", f"'{cfg.data.source}' is not arithmetic, shapes or files")
+    need(cfg.data.source in SOURCES, "data.source", f"'{cfg.data.source}' is not arithmetic, shapes, tones or files")
 
 
 def pixel_range_ordered(cfg, need) -> None:
@@ -103,6 +120,15 @@ def shapes_fill_a_batch(cfg, need) -> None:
     need(data.shapes.n_train >= data.train_batch_size, "data.shapes.n_train",
          f"{data.shapes.n_train} pictures cannot fill one batch of data.train_batch_size={data.train_batch_size}. "
          "Fix: raise data.shapes.n_train or lower data.train_batch_size")
+
+
+def tones_fill_a_batch(cfg, need) -> None:
+    data = cfg.data
+    if data.source != "tones":
+        return
+    need(data.tones.n_train >= data.train_batch_size, "data.tones.n_train",
+         f"{data.tones.n_train} clips cannot fill one batch of data.train_batch_size={data.train_batch_size}. "
+         "Fix: raise data.tones.n_train or lower data.train_batch_size")
 
 
 def data_files_exist(cfg, need) -> None:
@@ -123,4 +149,4 @@ def data_files_exist(cfg, need) -> None:
                  "a datasets save_to_disk folder or a hub id name@split")
 
 
-CHECKS = (source_known, pixel_range_ordered, shapes_fill_a_batch, data_files_exist)
+CHECKS = (source_known, pixel_range_ordered, shapes_fill_a_batch, tones_fill_a_batch, data_files_exist)

@@ -381,8 +381,8 @@ def partial_can_continue(cfg, need) -> None:
     need(not run_estimator_needs(cfg).greedy_baseline, key,
          "ReMax's greedy baseline must come from the weights that sampled the whole response. Fix: another "
          "estimator (grpo, rloo), or rollout.partial.enable=false")
-    need(cfg.data.source != "shapes", key,
-         "responses to image prompts are not continued (the engine would need the pixels and 3-D positions again). "
+    need(cfg.data.source not in ("shapes", "tones"), key,
+         "responses to image/audio prompts are not continued (the engine would need the pixels or audio features again). "
          "Fix: rollout.partial.enable=false")
 
 

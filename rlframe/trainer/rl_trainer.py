@@ -74,7 +74,7 @@ def dataset_options(cfg: RLConfig) -> dict:
                 image_key=data.image_key, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
                 resize_images=data.resize_images, video_key=data.video_key, video_fps=data.video_fps,
                 video_max_frames=data.video_max_frames, video_min_pixels=data.video_min_pixels,
-                video_max_pixels=data.video_max_pixels)
+                video_max_pixels=data.video_max_pixels, audio_key=data.audio_key)
 
 
 class RLTrainer(RunLoop):

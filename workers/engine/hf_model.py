@@ -36,6 +36,13 @@ def build_causal_lm(path: str, profile: DeviceProfile, *, gradient_checkpointing
     from transformers import AutoModelForCausalLM
 
     freeze_vision_tower = load_kwargs.pop("freeze_vision_tower", False)
+    if is_audio_language(path, trust_remote_code):
+        if freeze_vision_tower:
+            raise ValueError(f"actor.freeze_vision_tower=true but {path} is an audio-language model (no vision "
+                             "tower). Fix: actor.freeze_vision_tower=false")
+        return build_audio_language_model(path, profile, gradient_checkpointing=gradient_checkpointing,
+                                          trust_remote_code=trust_remote_code, dtype=dtype, packed=packed,
+                                          sequence_parallel=sequence_parallel, **load_kwargs)
     if is_vision_language(path, trust_remote_code):
         return build_vision_language_model(path, profile, gradient_checkpointing=gradient_checkpointing,
                                            trust_remote_code=trust_remote_code, dtype=dtype, packed=packed,
@@ -328,6 +335,52 @@ def build_vision_language_model(path: str, profile: DeviceProfile, *, gradient_c
     return model
 
 
+def is_audio_language(path: str, trust_remote_code: bool = False) -> bool:
+    """The model folder's config has an audio encoder (Qwen2-Audio: `audio_config`) and no vision tower."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return False
+    return getattr(config, "audio_config", None) is not None and getattr(config, "vision_config", None) is None
+
+
+def is_audio_model(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "audio_config", None) is not None and getattr(config, "vision_config", None) is None
+
+
+def build_audio_language_model(path: str, profile: DeviceProfile, *, gradient_checkpointing: bool = False,
+                               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+                               packed: bool = False, sequence_parallel: bool = False, **load_kwargs) -> nn.Module:
+    """An audio-text-to-text model (`Qwen2AudioForConditionalGeneration`, the class its config names) in fp32.
+
+    Packed rows attend with VARLEN_SDPA in the language model only; the audio encoder keeps SDPA (each
+    audio is its own batch row there, with its padding mask)."""
+    import transformers
+    from transformers import AutoConfig
+
+    if sequence_parallel:
+        raise ValueError("Ulysses sequence parallelism is not supported for audio-language models yet. "
+                         "Fix: actor.ulysses_sequence_parallel_size=1")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    name = (getattr(config, "architectures", None) or ["Qwen2AudioForConditionalGeneration"])[0]
+    model_class = getattr(transformers, name, None)
+    if model_class is None:
+        raise ValueError(f"{path}: transformers has no model class {name} (the config's architectures)")
+    attn_implementation = profile.attn_implementation
+    if packed and attn_implementation == "sdpa":
+        register_varlen_attention()
+        attn_implementation = {"text_config": VARLEN_SDPA, "audio_config": "sdpa", "": VARLEN_SDPA}
+    model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                        trust_remote_code=trust_remote_code, **load_kwargs)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def vision_tower(model: nn.Module) -> nn.Module:
     """The vision encoder (with its patch merger) of a Qwen2-VL-family model."""
     base = getattr(model, "model", model)
@@ -361,12 +414,14 @@ def mrope_positions(model: nn.Module, input_ids: torch.Tensor, image_grid_thw: t
     return positions[:, 0]
 
 
-PIXEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+PIXEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                    "input_features", "feature_attention_mask")  # (the last two: audios, Qwen2-Audio)
 
 
 def _stack_pixel_inputs(multi_modal_inputs, device) -> dict:
     """Concatenate the rows' pixel inputs (images: pixel_values, image_grid_thw; videos: pixel_values_videos,
-    video_grid_thw, second_per_grid_ts) in row order (rows without one kind add nothing to its keys)."""
+    video_grid_thw, second_per_grid_ts; audios: input_features, feature_attention_mask) in row order (rows
+    without one kind add nothing to its keys)."""
     rows = [m for m in multi_modal_inputs if m is not None]
     out = {}
     for key in PIXEL_INPUT_KEYS:
@@ -400,6 +455,9 @@ def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, at
     device = input_ids.device
     real = attention_mask.bool()
     pixel_inputs = _stack_pixel_inputs(multi_modal_inputs, device)
+    if is_audio_model(model):  # Qwen2-Audio: 1-D rotary positions, the text path's layout plus the audio features
+        return _audio_response_log_probs(model, input_ids, attention_mask, position_ids, response_width,
+                                         temperature, with_entropy, packed, pixel_inputs)
     rope = [mrope_positions(model, input_ids[b][real[b]], *(_grid(m, key, device) for key in
                                                            ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")))
             for b, m in enumerate(multi_modal_inputs)]
@@ -433,5 +491,45 @@ def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, at
     response_logits = _logits_at(model, kept_response + 1, input_ids=input_ids[:, start:end],
                                  attention_mask=attention_mask[:, start:end], position_ids=positions[:, :, start:end],
                                  **pixel_inputs)[:, :-1]
+    return _response_scores(response_logits, input_ids[:, prompt_width:end], temperature, with_entropy,
+                            response_width)
+
+
+def _audio_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              position_ids: torch.Tensor, response_width: int, temperature: float,
+                              with_entropy: bool, packed: bool, audio_inputs: dict
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the response tokens of rows with audios: the text path's positions (1-D, restarting
+    at 0 per sequence when packed, which VARLEN_SDPA reads for the borders) and the micro-batch's
+    `input_features` / `feature_attention_mask` in row order (the model scatters the encoder's output
+    into the `<|AUDIO|>` tokens in the same order)."""
+    from rlframe.algos import entropy_from_logits, log_probs_from_logits
+
+    real = attention_mask.bool()
+    prompt_width = input_ids.size(1) - response_width
+    if packed:
+        response_tokens = real.clone()
+        response_tokens[:, :prompt_width] = False
+        packed_position = real.flatten().cumsum(0).view_as(real) - 1
+        predicting = packed_position[response_tokens] - 1
+        logits = _logits_at(model, predicting, input_ids=input_ids[real].unsqueeze(0),
+                            position_ids=position_ids[real].unsqueeze(0), attention_mask=None, **audio_inputs)[0]
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs = log_probs_from_logits(logits, input_ids[response_tokens], chunk_size=LOGIT_CHUNK)
+        entropy = entropy_from_logits(logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
+        in_response = response_tokens[:, prompt_width:]
+
+        def to_grid(values: torch.Tensor) -> torch.Tensor:
+            grid = torch.zeros(in_response.shape, dtype=values.dtype, device=values.device)
+            grid[in_response] = values
+            return grid
+
+        return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
+    start, end = trim_padding_columns(attention_mask, response_width)
+    kept_response = end - prompt_width
+    response_logits = _logits_at(model, kept_response + 1, input_ids=input_ids[:, start:end],
+                                 attention_mask=attention_mask[:, start:end], position_ids=position_ids[:, start:end],
+                                 **audio_inputs)[:, :-1]
     return _response_scores(response_logits, input_ids[:, prompt_width:end], temperature, with_entropy,
                             response_width)

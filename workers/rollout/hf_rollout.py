@@ -56,6 +56,7 @@ class HFRollout:
     def __init__(self, model_path: str, profile: DeviceProfile, *, eos_token_ids: list[int], pad_token_id: int,
                  batch_size: int = 64, trust_remote_code: bool = False, lora: LoraSettings | None = None):
         self.profile = profile
+        self.model_path = model_path
         self.model = build_causal_lm(model_path, profile, dtype=profile.dtype, trust_remote_code=trust_remote_code)
         if lora is not None:
             from rlframe.workers.engine.lora import apply_lora
@@ -127,6 +128,14 @@ class HFRollout:
             log_probs.append(lps[:length])
         return responses, log_probs
 
+    def tokenizer_vocab(self) -> dict:
+        """The model folder's token -> id map (read once)."""
+        if getattr(self, "_vocab", None) is None:
+            from transformers import AutoTokenizer
+
+            self._vocab = AutoTokenizer.from_pretrained(self.model_path).get_vocab()
+        return self._vocab
+
     def _image_inputs(self, part: DataProto, input_ids: torch.Tensor) -> dict:
         """Prompts with images (vision-language models): the rows' pixel inputs in row order, and the
         token types (1 on `<|image_pad|>`) from which the model computes its 3-D rotary positions
@@ -137,6 +146,12 @@ class HFRollout:
         from rlframe.workers.engine.hf_model import _stack_pixel_inputs
 
         config = self.model.config
+        if getattr(config, "audio_config", None) is not None and getattr(config, "vision_config", None) is None:
+            # Qwen2-Audio: 1-D positions (generate's own), the audio features in row order; the audio tokens
+            # (pad, begin, end) are never sampled, for the same reason as the vision tokens below.
+            vocab = self.tokenizer_vocab()
+            audio_tokens = [config.audio_token_id] + [vocab[t] for t in ("<|audio_bos|>", "<|audio_eos|>") if t in vocab]
+            return {**_stack_pixel_inputs(rows, input_ids.device), "suppress_tokens": audio_tokens}
         token_type = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
         # A sampled vision token in a response would ask the trainer's forward for an image that is not
         # there (a random-init model samples them; a trained one gives them ~0 probability): never sample them.
