@@ -134,3 +134,11 @@ def test_every_gpu_install_line_keeps_the_default_extras():
     assert len(lines) >= 5
     for page, extras in lines:
         assert set(extras.split(",")) >= wanted, f"{page}: EXTRAS={extras} lacks {sorted(wanted - set(extras.split(',')))}"
+
+
+def test_every_generated_page_is_in_the_nav():
+    """A new config section gets a generated page; mkdocs --strict refuses a page outside mkdocs.yml's nav, so the
+    nav must name it (caught here in a second rather than by the docs build)."""
+    nav = (REPO_ROOT / "mkdocs.yml").read_text()
+    missing = [path for path in config_pages() if path.endswith(".md") and f": {path}" not in nav]
+    assert not missing, f"add to mkdocs.yml's nav: {missing}"
