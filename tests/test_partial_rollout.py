@@ -253,7 +253,7 @@ def test_partial_configuration_is_validated_before_workers_start():
         **on, rollout__multi_turn__enable=True)
     assert "rollout.partial.enable: dynamic sampling" in _problems(**on, algorithm__dynamic_sampling__enable=True)
     assert "rollout.partial.enable: ReMax" in _problems(**on, algorithm__adv_estimator="remax")
-    assert "rollout.partial.enable: responses to image prompts" in _problems(**on, data__source="shapes")
+    assert "rollout.partial.enable: responses to image/audio prompts" in _problems(**on, data__source="shapes")
     message = _problems(**on, rollout__partial__max_tokens_per_round=16, data__max_response_length=128)
     assert "rollout.partial.max_tokens_per_round: 16 tokens per round x 3 step(s)" in message
     assert "Fix: rollout.partial.max_tokens_per_round=43 or more" in message

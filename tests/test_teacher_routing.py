@@ -62,6 +62,7 @@ def test_routed_teacher_config_errors_name_the_route(tiny_model_dir, tmp_path):
     assert "teachers.empty.data_sources: is empty" in message
     assert "teachers.empty.url: is None; teacher.backend=url needs the server's base URL" in message
     cfg = RLConfig()
+    cfg.model.path = str(tiny_model_dir)  # the student: the teacher's tokenizer is compared with it
     cfg.teacher.path = str(tiny_model_dir)
     cfg.teachers = {"math": RoutedTeacherConfig(path=str(tiny_model_dir), data_sources=["gsm8k"])}
     validate_config(cfg)
@@ -83,7 +84,7 @@ def test_teachers_compose_from_the_command_line(tiny_model_dir):
     from rlframe.config import ConfigError, validate_config
     from rlframe.config.teacher import routed_teachers
 
-    cfg = compose_config(["recipe=opd_math", f"teacher.path={tiny_model_dir}",
+    cfg = compose_config(["recipe=opd_math", f"model.path={tiny_model_dir}", f"teacher.path={tiny_model_dir}",
                           f"+teachers.math={{path: {tiny_model_dir}, data_sources: [gsm8k]}}"])
     route = routed_teachers(cfg)["math"]
     assert (route.path, route.data_sources, route.backend) == (str(tiny_model_dir), ["gsm8k"], "fsdp")

@@ -144,6 +144,7 @@ def test_url_teacher_config_errors_name_the_key(tiny_model_dir):
     from rlframe.config import ConfigError, RLConfig, validate_config
 
     cfg = RLConfig()
+    cfg.model.path = str(tiny_model_dir)  # the student: the teacher's tokenizer is compared with it
     cfg.teacher.path, cfg.teacher.backend = str(tiny_model_dir), "url"
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
