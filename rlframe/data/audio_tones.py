@@ -32,10 +32,9 @@ import random
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from rlframe.data.audio import write_wav
+from rlframe.data.parquet_rows import write_rows
 from rlframe.data.shapes import INSTRUCTION
 
 DATA_SOURCE = "audio_tones"
@@ -106,9 +105,5 @@ def generate_audio_tones_dataset(out_dir: str | Path, n_train: int = 64, n_val: 
     paths = []
     for name, n, s in (("train", n_train, seed), ("val", n_val, seed + 1_000_003)):
         rows = tones_rows(out_dir, n, s, name, rate, beep_seconds, gap_seconds)
-        path = out_dir / f"{name}.parquet"
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        tmp.replace(path)
-        paths.append(path)
+        paths.append(write_rows(rows, out_dir / f"{name}.parquet"))
     return paths[0], paths[1]

@@ -34,8 +34,7 @@ import io
 import random
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from rlframe.data.parquet_rows import write_rows
 
 DATA_SOURCE = "shapes"
 INSTRUCTION = "End your reply with: The answer is \\boxed{your number}."
@@ -127,14 +126,7 @@ def generate_shapes_dataset(out_dir: str | Path, n_train: int = 256, n_val: int 
                 row["extra_info"]["index"] = len(val)
                 val.append(row)
         rng_seed += 1_000_003
-    paths = []
-    for name, rows in (("train", train), ("val", val)):
-        path = out_dir / f"{name}.parquet"
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        tmp.replace(path)
-        paths.append(path)
-    return paths[0], paths[1]
+    return write_rows(train, out_dir / "train.parquet"), write_rows(val, out_dir / "val.parquet")
 
 
 def main() -> None:

@@ -27,9 +27,8 @@ import random
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
+from rlframe.data.parquet_rows import write_rows
 from rlframe.data.shapes import COLOURS, INSTRUCTION, SHAPES, draw_shape
 from rlframe.data.video import write_video
 
@@ -88,9 +87,5 @@ def generate_video_shapes_dataset(out_dir: str | Path, n_train: int = 64, n_val:
     paths = []
     for name, n, s in (("train", n_train, seed), ("val", n_val, seed + 1_000_003)):
         rows = video_shapes_rows(out_dir, n, s, name, size, frames, fps)
-        path = out_dir / f"{name}.parquet"
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        tmp.replace(path)
-        paths.append(path)
+        paths.append(write_rows(rows, out_dir / f"{name}.parquet"))
     return paths[0], paths[1]
