@@ -448,8 +448,6 @@ def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, at
     sequence, which VARLEN_SDPA reads for the sequence borders; rows 1-3: `mrope_positions` of each
     sequence, concatenated) or [3, B, T] when padded (0 on padding).
     """
-    from rlframe.algos import entropy_from_logits, log_probs_from_logits
-
     if sp is not None:
         raise ValueError("Ulysses sequence parallelism is not supported with images")
     device = input_ids.device
@@ -470,19 +468,7 @@ def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, at
         positions = torch.cat([position_ids[real].unsqueeze(0), torch.cat(rope, dim=1)]).unsqueeze(1)
         logits = _logits_at(model, predicting, input_ids=input_ids[real].unsqueeze(0), position_ids=positions,
                             attention_mask=None, **pixel_inputs)[0]
-        if temperature != 1.0:
-            logits = logits / temperature
-        targets = input_ids[response_tokens]
-        log_probs = log_probs_from_logits(logits, targets, chunk_size=LOGIT_CHUNK)
-        entropy = entropy_from_logits(logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
-        in_response = response_tokens[:, prompt_width:]
-
-        def to_grid(values: torch.Tensor) -> torch.Tensor:
-            grid = torch.zeros(in_response.shape, dtype=values.dtype, device=values.device)
-            grid[in_response] = values
-            return grid
-
-        return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
+        return _packed_response_scores(logits, input_ids, response_tokens, prompt_width, temperature, with_entropy)
     positions = torch.zeros((3, *input_ids.shape), dtype=torch.long, device=device)
     for b in range(input_ids.size(0)):
         positions[:, b, real[b]] = rope[b]
@@ -495,6 +481,27 @@ def _multimodal_response_log_probs(model: nn.Module, input_ids: torch.Tensor, at
                             response_width)
 
 
+def _packed_response_scores(logits: torch.Tensor, input_ids: torch.Tensor, response_tokens: torch.Tensor,
+                            prompt_width: int, temperature: float, with_entropy: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A packed multimodal forward's logits at the response tokens (`response_tokens`' order) -> log-probs of
+    those tokens (and entropies) laid back on the rows' response grid, zero where a row has no token."""
+    from rlframe.algos import entropy_from_logits, log_probs_from_logits
+
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = log_probs_from_logits(logits, input_ids[response_tokens], chunk_size=LOGIT_CHUNK)
+    entropy = entropy_from_logits(logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
+    in_response = response_tokens[:, prompt_width:]
+
+    def to_grid(values: torch.Tensor) -> torch.Tensor:
+        grid = torch.zeros(in_response.shape, dtype=values.dtype, device=values.device)
+        grid[in_response] = values
+        return grid
+
+    return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
+
+
 def _audio_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               position_ids: torch.Tensor, response_width: int, temperature: float,
                               with_entropy: bool, packed: bool, audio_inputs: dict
@@ -503,8 +510,6 @@ def _audio_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attenti
     at 0 per sequence when packed, which VARLEN_SDPA reads for the borders) and the micro-batch's
     `input_features` / `feature_attention_mask` in row order (the model scatters the encoder's output
     into the `<|AUDIO|>` tokens in the same order)."""
-    from rlframe.algos import entropy_from_logits, log_probs_from_logits
-
     real = attention_mask.bool()
     prompt_width = input_ids.size(1) - response_width
     if packed:
@@ -514,18 +519,7 @@ def _audio_response_log_probs(model: nn.Module, input_ids: torch.Tensor, attenti
         predicting = packed_position[response_tokens] - 1
         logits = _logits_at(model, predicting, input_ids=input_ids[real].unsqueeze(0),
                             position_ids=position_ids[real].unsqueeze(0), attention_mask=None, **audio_inputs)[0]
-        if temperature != 1.0:
-            logits = logits / temperature
-        log_probs = log_probs_from_logits(logits, input_ids[response_tokens], chunk_size=LOGIT_CHUNK)
-        entropy = entropy_from_logits(logits, chunk_size=LOGIT_CHUNK) if with_entropy else None
-        in_response = response_tokens[:, prompt_width:]
-
-        def to_grid(values: torch.Tensor) -> torch.Tensor:
-            grid = torch.zeros(in_response.shape, dtype=values.dtype, device=values.device)
-            grid[in_response] = values
-            return grid
-
-        return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
+        return _packed_response_scores(logits, input_ids, response_tokens, prompt_width, temperature, with_entropy)
     start, end = trim_padding_columns(attention_mask, response_width)
     kept_response = end - prompt_width
     response_logits = _logits_at(model, kept_response + 1, input_ids=input_ids[:, start:end],
