@@ -79,3 +79,19 @@ def check_startup_profile(run_dir: Path, stdout: str) -> None:
     profile = json.loads((run_dir / "startup.json").read_text())
     assert 0 < profile["exit"] < 30 and abs(profile["total"] - total) < 1e-2
     assert "start-up (timing/startup/*)" in (run_dir / "report.html").read_text()
+
+
+def test_transformers_loads_without_scikit_learn_which_stays_importable():
+    """rlframe/__init__.py: transformers is told scikit-learn is absent (its one use, assisted decoding, is not
+    ours); loading a tokenizer and a model class then imports no sklearn, and sklearn itself still imports."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, rlframe\n"
+             "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+             "print('sklearn' in sys.modules, 'scipy.stats' in sys.modules)\n"
+             "import sklearn.metrics\n"
+             "print('sklearn.metrics' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "True"]

@@ -146,6 +146,10 @@ def connect(address: str | None, num_cpus: int | None, env: dict, dashboard: boo
             # a few KiB per call. Kept to the latest LOCAL_TASK_EVENTS_KEPT, the GCS levelled off at ~51 MiB after
             # ~240 steps; the env var set by the user wins.
             os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(LOCAL_TASK_EVENTS_KEPT))
+        # Ray starts idle workers for the first driver (one per CPU, as many at once as it has cores) to serve its
+        # tasks; ours are actors with a runtime env of their own, which those workers never get: each was a Python
+        # process importing Ray for nothing (~1 s of CPU each, on the cores the run's own workers start on).
+        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard, runtime_env=env, log_to_driver=True)
 
 
