@@ -486,3 +486,18 @@ def test_fsdp_checkpoint_resumes_on_megatron(tiny_model_dir, tmp_path):
     # the second step used the restored Adam moments (without them the step would differ by ~lr)
     assert_same_weights(load_file(str(tmp_path / "continued" / "model.safetensors")),
                         load_file(str(tmp_path / "resumed" / "model.safetensors")), 1e-4, 1e-5)
+
+
+def test_megatron_groups_follow_a_new_default_process_group():
+    """A test process whose default group was destroyed and made again (vLLM's shutdown destroys it) gets
+    megatron groups of the new world, not the dead one's ('Group ... is not registered', CI of stop 48)."""
+    import torch.distributed as dist
+
+    from rlframe.workers.engine.megatron.parallel import import_megatron, init_model_parallel
+
+    parallel_state = import_megatron()[0]
+    init_model_parallel(1)
+    dist.destroy_process_group()
+    init_model_parallel(1)
+    assert parallel_state.get_pipeline_model_parallel_rank() == 0
+    assert dist.get_process_group_ranks(parallel_state.get_data_parallel_group()) == [0]

@@ -21,6 +21,9 @@ def import_megatron():
     return parallel_state, GPTModel, get_gpt_layer_local_spec, TransformerConfig
 
 
+_world_of_megatron_groups: list = [None]  # the default process group megatron's groups were made in
+
+
 def init_model_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
     """Megatron's process groups over our (gloo / nccl) world; once per process (actor and ref share them)."""
     parallel_state = import_megatron()[0]
@@ -28,6 +31,11 @@ def init_model_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
         from rlframe.controller.worker_host import find_free_port
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+    world = dist.distributed_c10d._get_default_group()
+    if parallel_state.model_parallel_is_initialized() and world is not _world_of_megatron_groups[0]:
+        # megatron's groups belong to a world destroyed since (a test process that ran vLLM in-process,
+        # whose shutdown destroys the default group): they cannot be used, so they are rebuilt over this one
+        parallel_state.destroy_model_parallel()
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
@@ -41,6 +49,7 @@ def init_model_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
         raise ValueError(f"world size {dist.get_world_size()} is not divisible by TP x PP x CP = {tp * pp * cp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp, expert_model_parallel_size=ep)
+    _world_of_megatron_groups[0] = world
     from megatron.core import tensor_parallel
 
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
