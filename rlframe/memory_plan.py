@@ -19,8 +19,9 @@ that shard the trainer, T = tokens of one micro-batch per rank, R = its response
   folder); with teacher.offload on a GPU its weights are on the device during the log-prob passes only;
 - rollout engine: on GPU vLLM takes `gpu_memory_utilization` of the device (weights bP/TP plus KV
   cache) while it generates, and (sleep mode) nothing while the trainers work; on CPU its fp32
-  weights plus `rollout.cpu_kv_cache_gib` while it generates (colocated with sleep mode on, their
-  pages are released after each generation), always in a disaggregated placement;
+  weights plus its KV cache while it generates: `rollout.cpu_kv_cache_gib` at most, less where vLLM's
+  max_num_seqs full-length sequences need less (`cpu_kv_cache_gib`); colocated with sleep mode on, their
+  pages are released after each generation, always held in a disaggregated placement;
 - on CPU each worker process also holds the libraries it imports (torch, transformers, vLLM):
   RUNTIME_GIB_PER_PROCESS (measured; see its comment).
 A phase's peak is what is resident plus what that phase adds; the device's peak is the largest.
@@ -65,6 +66,7 @@ class ModelShape:
     vision_intermediate: int = 0
     vision_depth: int = 0
     vision_merge: int = 2  # patches per merged (language-model) token: vision_merge ** 2
+    plain_attention: bool = True  # one K and V per layer and token (not latent, linear or state-space layers)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
@@ -91,7 +93,8 @@ class ModelShape:
         return cls(params=embeddings + layers * per_layer + h + vision, layers=layers, hidden=h, intermediate=inter,
                    vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts, tied=tied,
                    vision_params=vision, vision_hidden=vh, vision_intermediate=vi,
-                   vision_depth=int(vc.get("depth", 0)) if vision else 0, vision_merge=int(vc.get("spatial_merge_size", 2)))
+                   vision_depth=int(vc.get("depth", 0)) if vision else 0, vision_merge=int(vc.get("spatial_merge_size", 2)),
+                   plain_attention=not any(key in text for key in _NOT_PLAIN_ATTENTION))
 
     @property
     def layer_params(self) -> int:
@@ -197,6 +200,34 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+# vLLM's CPU defaults (vllm/platforms/cpu.py, vllm/engine/arg_utils.py): KV blocks of 128 tokens, and at most
+# 256 sequences per TP rank in one scheduler step for the LLM class.
+VLLM_CPU_BLOCK_TOKENS = 128
+VLLM_CPU_MAX_NUM_SEQS = 256
+# Config keys of attention that is not one K and V per layer and token (latent attention, linear attention or
+# state-space layers): for them the KV cache is not sized from the shape, `rollout.cpu_kv_cache_gib` is taken.
+_NOT_PLAIN_ATTENTION = ("kv_lora_rank", "linear_num_value_heads", "layer_types", "mamba", "ssm_state_size")
+
+
+def cpu_kv_cache_gib(cap_gib: float, shape: "ModelShape", max_model_len: int, tp: int = 1,
+                     dtype_bytes: int = 4) -> float:
+    """The KV cache a vLLM CPU engine allocates: what its scheduler can ever fill, at most `cap_gib`.
+
+    need = S * ceil(L / B) * B * 2 * layers * max(kv_heads / tp, 1) * head_dim * dtype_bytes  (per TP rank)
+
+    with S = 256 * tp sequences (vLLM's max_num_seqs on CPU), L = max_model_len, B = 128 tokens per block.
+    A cache of `need` bytes holds every sequence the scheduler runs at once at full length, so it never
+    preempts for want of blocks; allocating (and page-faulting) more only costs start-up time and memory
+    (a 1 GiB cache took 7.6 s of a tiny engine's 18.5 s start on 2 cores)."""
+    if not shape.plain_attention:
+        return cap_gib
+    blocks = -(-max_model_len // VLLM_CPU_BLOCK_TOKENS)
+    kv_heads_per_rank = max(shape.kv_heads // tp, 1)
+    need = (VLLM_CPU_MAX_NUM_SEQS * tp * blocks * VLLM_CPU_BLOCK_TOKENS
+            * 2 * shape.layers * kv_heads_per_rank * shape.head_dim * dtype_bytes)
+    return min(cap_gib, need / 2**30)
+
+
 def _gib(elements: float, bytes_per: float) -> float:
     return elements * bytes_per / GIB
 
@@ -281,7 +312,16 @@ def rollout_items(cfg, shape: ModelShape, b: int, gpu: bool, capacity_gib: float
     # weights' pages after each generation (workers/host_pages.py).
     phases = ("generation",) if cfg.rollout.enable_sleep_mode and cfg.trainer.placement != "disaggregated" else always
     return [Item("rollout", f"vLLM fp32 weights (TP {tp})", _gib(shape.params / tp, 4), phases),
-            Item("rollout", "vLLM KV cache (rollout.cpu_kv_cache_gib)", float(cfg.rollout.cpu_kv_cache_gib), phases)]
+            Item("rollout", "vLLM KV cache (rollout.cpu_kv_cache_gib at most)",
+                 cpu_kv_cache_gib(cfg.rollout.cpu_kv_cache_gib, shape, rollout_max_model_len(cfg), tp), phases)]
+
+
+def rollout_max_model_len(cfg) -> int:
+    """The rollout engine's longest sequence: prompt, response and the tool or agent turns' extra prompt tokens."""
+    rollout = cfg.rollout
+    return (cfg.data.max_prompt_length + cfg.data.max_response_length
+            + (rollout.multi_turn.tool_prompt_tokens if rollout.multi_turn.enable else 0)
+            + (rollout.agent_program.prompt_tokens if rollout.agent_program.enabled else 0))
 
 
 def engine_kind(cfg) -> str:

@@ -94,7 +94,8 @@ def sample():
     out = engine.generate(prompts, sampling)
     return out.batch["responses"].tolist(), out.batch["rollout_log_probs"].tolist()
 first = sample()
-result = {"first": first}
+result = {"first": first, "kv_cache_gib": engine.kv_cache_gib,
+          "kv_blocks": engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
 before = rss(); engine.sleep(discard_weights=False); result["level1_released"] = before - rss()
 result["level1_tags"] = sorted(engine.asleep_tags)
 result["after_level1"] = sample()
@@ -120,7 +121,11 @@ def test_engine_sleeps_on_cpu_and_samples_the_same_after_waking(tiny_model_dir, 
     line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(line.removeprefix("RESULT "))
-    kv_cache = 0.25 * 2**30
+    # the KV cache is sized to what 256 sequences of max_model_len=64 tokens can fill, below the 0.25 GiB asked:
+    # 256 sequences x one block of 128 tokens x 2 (K, V) x 2 layers x 2 KV heads x 64 x 4 bytes = 64 MiB
+    assert result["kv_cache_gib"] == 64 / 1024
+    assert result["kv_blocks"] >= 256, result  # one block per sequence: none is preempted for want of blocks
+    kv_cache = result["kv_cache_gib"] * 2**30
     assert result["level1_tags"] == ["kv_cache"] and result["level2_tags"] == ["kv_cache", "weights"]
     # the KV cache was written (zeros) when it was allocated: all of it comes back at level 1; at level 2
     # the KV cache again (touched by the generation in between: at least its used blocks) and the weights

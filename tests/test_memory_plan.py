@@ -10,7 +10,8 @@ import pytest
 
 from rlframe.config import ConfigError
 from rlframe.main import compose_config
-from rlframe.memory_plan import GIB, ModelShape, check_memory, fixes_that_fit, memory_problems, plan_memory
+from rlframe.memory_plan import (GIB, ModelShape, check_memory, cpu_kv_cache_gib, fixes_that_fit, memory_problems,
+                                 plan_memory)
 
 SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
                 "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
@@ -23,6 +24,23 @@ def test_parameter_counts_match_the_published_sizes():
     assert ModelShape.from_hf_config(SMOLLM2_135M).params == 134_515_008
     # Qwen2.5-7B: 2*152064*3584 + 28 * (2*3584^2 + 2*3584*512 + 3584 + 2*512 + 3*3584*18944 + 2*3584) + 3584
     assert ModelShape.from_hf_config(QWEN25_7B).params == 7_615_616_512
+
+
+def test_cpu_kv_cache_is_what_the_engine_can_fill_at_most_the_configured_size():
+    tiny = ModelShape.from_hf_config({"hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
+                                      "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 300})
+    # 256 sequences x ceil(272 / 128) = 3 blocks of 128 tokens x 2 (K, V) x 2 layers x 2 heads x 64 x 4 bytes
+    assert cpu_kv_cache_gib(1.0, tiny, 272) == 256 * 384 * 2 * 2 * 2 * 64 * 4 / 2**30 == 0.1875
+    assert cpu_kv_cache_gib(0.1, tiny, 272) == 0.1  # the configured size caps it
+    # TP 2: 512 sequences over two ranks holding one KV head each: the same bytes per rank
+    assert cpu_kv_cache_gib(1.0, tiny, 272, tp=2) == 0.1875
+    # TP 4 over 2 KV heads: each rank keeps a whole head (replicated), for 1024 sequences
+    assert cpu_kv_cache_gib(1.0, tiny, 272, tp=4) == 0.375
+    # SmolLM2-135M (the main job): 256 x 512 x 2 x 30 x 3 x 64 x 4 = 5.6 GiB would fit: the configured 1 GiB stands
+    assert cpu_kv_cache_gib(1.0, ModelShape.from_hf_config(SMOLLM2_135M), 512) == 1.0
+    # latent or linear attention is not one K and V per layer and token: the configured size
+    latent = ModelShape.from_hf_config({**SMOLLM2_135M, "kv_lora_rank": 512})
+    assert not latent.plain_attention and cpu_kv_cache_gib(1.0, latent, 16) == 1.0
 
 
 def toy_config(*overrides):

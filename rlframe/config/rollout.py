@@ -156,7 +156,9 @@ class RolloutConfig:
     seed_each_sample: bool = True
     # GPU: the share of device memory vLLM may take (weights + KV cache), colocated with the trainer
     gpu_memory_utilization: float = bounded(0.4, "(0, 1]")
-    cpu_kv_cache_gib: float = bounded(1.0, "> 0")  # vLLM CPU KV cache (fractions allowed; pages released between generations)
+    # vLLM CPU KV cache, at most (fractions allowed; pages released between generations): an engine whose 256
+    # full-length sequences need less takes only that (a tiny model a few MiB, so it starts seconds sooner)
+    cpu_kv_cache_gib: float = bounded(1.0, "> 0")
     # vLLM reuses the KV cache of shared prompt prefixes (the n samples of a prompt); reset after every weight sync
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # GPU only: CPU generators cannot rewind after a partial prefill

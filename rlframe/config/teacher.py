@@ -45,7 +45,7 @@ class TeacherConfig:
     timeout_s: float = bounded(60.0, "> 0")  # backend=url: seconds per request (then retried, 3 times, with backoff)
     max_concurrency: int = bounded(8, ">= 1")  # backend=url: requests in flight at once
     gpu_memory_utilization: float = bounded(0.3, "(0, 1]")  # backend=vllm on GPU: its share of device memory
-    cpu_kv_cache_gib: float = bounded(0.5, "> 0")  # backend=vllm on CPU: its KV cache (pages released between uses)
+    cpu_kv_cache_gib: float = bounded(0.5, "> 0")  # backend=vllm on CPU: its KV cache, at most (as rollout's)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import os
 
 from rlframe.config import OptimConfig, RLConfig, off_policy_correction, policy_loss_options
 from rlframe.config.teacher import routed_teachers
+from rlframe.memory_plan import rollout_max_model_len
 from rlframe.workers.engine.registry import engine_section
 from rlframe.workers.settings import (ActorSettings, AgentProgramSettings, CriticSettings, DeviceRequest, EngineSettings, ForwardSettings,
                                      LoraSettings, MultiTurnSettings, OptimSettings, PolicyLossSettings, RefSettings,
@@ -196,9 +197,7 @@ def rollout_settings(cfg: RLConfig, model_path: str) -> RolloutSettings:
     train, validation = sampling_settings(cfg)
     return RolloutSettings(
         model_path=model_path, device=device_request(cfg), trust_remote_code=cfg.model.trust_remote_code,
-        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length
-        + (rollout.multi_turn.tool_prompt_tokens if rollout.multi_turn.enable else 0)
-        + (rollout.agent_program.prompt_tokens if rollout.agent_program.enabled else 0), train=train, validation=validation,
+        max_model_len=rollout_max_model_len(cfg), train=train, validation=validation,
         seed=cfg.trainer.seed, gpu_memory_utilization=rollout.gpu_memory_utilization,
         cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, enable_prefix_caching=rollout.enable_prefix_caching,
         enable_chunked_prefill=rollout.enable_chunked_prefill, max_num_batched_tokens=rollout.max_num_batched_tokens,

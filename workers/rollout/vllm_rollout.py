@@ -180,6 +180,18 @@ def rollout_batch_from_outputs(prompts: DataProto, outputs, max_new_tokens: int,
     return build_rollout_batch(prompts, responses, log_probs, max_new_tokens, pad_token_id)
 
 
+def _sized_kv_cache_gib(cap_gib: float, model_path: str, max_model_len: int, tp: int, dtype: torch.dtype) -> float:
+    """`cap_gib`, or less where the engine's sequences cannot fill it (rlframe/memory_plan.py: cpu_kv_cache_gib)."""
+    from rlframe.memory_plan import cpu_kv_cache_gib, read_shape
+
+    try:
+        shape = read_shape(model_path)
+    except Exception as error:  # (a config the plan cannot read: the configured size, as before)
+        logger.info("vLLM CPU KV cache: %s GiB as configured (the model's shape is unreadable: %s)", cap_gib, error)
+        return cap_gib
+    return cpu_kv_cache_gib(cap_gib, shape, max_model_len, tp, dtype_bytes=dtype.itemsize)
+
+
 class VLLMRollout:
     def __init__(self, model_path: str, profile: DeviceProfile, *, max_model_len: int, seed: int,
                  pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: float = 1.0,
@@ -203,6 +215,7 @@ class VLLMRollout:
         self.pad_token_id = pad_token_id
         self.sleep_enabled = enable_sleep_mode and profile.sleep_mode
         self.releases_host_pages = enable_sleep_mode and not profile.is_gpu  # the CPU form of sleep
+        self.kv_cache_gib: float | None = None  # on CPU: the KV cache asked of vLLM (on GPU vLLM sizes it)
         if enable_chunked_prefill and not profile.is_gpu:
             # After a partial (chunked) prefill vLLM rewinds the request's seeded generator
             # (gpu_model_runner._bookkeeping_sync: gen.set_offset), which a CPU generator refuses
@@ -223,7 +236,9 @@ class VLLMRollout:
         if profile.is_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
         else:
-            kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gib * 2**30))
+            self.kv_cache_gib = _sized_kv_cache_gib(cpu_kv_cache_gib, model_path, max_model_len, tensor_parallel_size,
+                                                    profile.dtype)
+            kwargs.update(kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30))
         if tensor_parallel_size > 1:  # one engine over tp ranks of the worker group's own process group
             if not profile.is_gpu:
                 remove_stale_cpu_shm_files()
