@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from rlframe.collector import collector_paused
 from rlframe.config import ConfigError, RLConfig, apply_algorithm_defaults, validate_before_workers, validate_config
 from rlframe.schema_types import field_type, type_in_words
 from rlframe.trainer.startup import STARTUP
@@ -353,8 +354,8 @@ def shutdown_ray() -> None:
     shutdown()
 
 
-def run(cfg: RLConfig) -> dict:
-    from rlframe.trainer.run_dir import release_run_dir
+def start_trainer(cfg: RLConfig):
+    """Prepare the run, start Ray, check the cluster and build the stage's trainer (its workers with it)."""
     from rlframe.trainer.signals import STOP
 
     with STARTUP.phase("prepare"):
@@ -379,6 +380,14 @@ def run(cfg: RLConfig) -> dict:
     trainer = make_trainer(cfg, prepared.model_path, prepared.tokenizer, prepared.train_files, prepared.val_files,
                            run_dir, prepared.datasets)  # by cfg.stage
     STARTUP.add("driver_setup", time.perf_counter() - start - (STARTUP.parts.get("workers", 0.0) - workers_before))
+    return trainer, run_dir
+
+
+def run(cfg: RLConfig) -> dict:
+    from rlframe.trainer.run_dir import release_run_dir
+
+    with collector_paused():  # the start-up's imports and builds (rlframe/collector.py); training collects as usual
+        trainer, run_dir = start_trainer(cfg)
     try:
         summary = trainer.fit()
     finally:
@@ -412,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if "--cfg" in argv:  # --cfg job: the composed configuration, nothing run
             return print_composed(compose_config, argv)
-        with STARTUP.phase("config"):
+        with STARTUP.phase("config"), collector_paused():
             cfg = compose_config(argv)
             validate_config(cfg)
         with stop_signals():  # SIGINT / SIGTERM: stop at the next safe point (between steps); a second one: at once

@@ -95,3 +95,39 @@ def test_transformers_loads_without_scikit_learn_which_stays_importable():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "False", "True"]
+
+
+class _CollectorProbe:
+    """A role that records whether the garbage collector ran automatically while it was built."""
+
+    def __init__(self, fail: bool = False):
+        import gc
+
+        self.collector_was_enabled = gc.isenabled()
+        if fail:
+            raise RuntimeError("this role fails to build")
+
+
+def test_the_collector_is_paused_while_roles_build_and_back_after_even_on_an_error():
+    import gc
+
+    import pytest
+
+    from rlframe.collector import collector_paused
+    from rlframe.controller.errors import WorkerError
+    from rlframe.controller.worker_host import WorkerHost
+
+    assert gc.isenabled()
+    host = WorkerHost(0, 1, 0, 1, num_cpus=1)
+    host.init_roles("127.0.0.1", 0, None, {"probe": (_CollectorProbe, {})}, None)
+    assert host.roles["probe"].collector_was_enabled is False and gc.isenabled()
+    with pytest.raises(WorkerError, match="this role fails to build"):
+        host.init_roles("127.0.0.1", 0, None, {"broken": (_CollectorProbe, {"fail": True})}, None)
+    assert gc.isenabled()
+    gc.disable()  # a caller that had it off keeps it off
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

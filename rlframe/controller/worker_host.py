@@ -23,6 +23,7 @@ from typing import Any
 import ray
 import torch
 
+from rlframe.collector import collector_paused
 from rlframe.controller.errors import WorkerError
 
 
@@ -181,7 +182,8 @@ class WorkerHost:
             times["process_group"] = time.perf_counter() - start
             for current, (cls, kwargs) in roles.items():
                 start = time.perf_counter()
-                self.roles[current] = cls(**kwargs)
+                with collector_paused():  # (rlframe/collector.py: the imports and engine builds of a start)
+                    self.roles[current] = cls(**kwargs)
                 times[f"build/{current}"] = time.perf_counter() - start
                 for key, seconds in (getattr(self.roles[current], "startup_times", None) or {}).items():
                     times[key] = times.get(key, 0.0) + seconds
