@@ -45,6 +45,11 @@ DRIVER_AND_RAY_GIB = 1.5
 HEADROOM = 0.92  # refuse a plan above this share of a device (allocator fragmentation, CUDA context)
 
 
+# Config keys of attention that is not one K and V per layer and token (latent attention, linear attention or
+# state-space layers): for them the KV cache is not sized from the shape, `rollout.cpu_kv_cache_gib` is taken.
+_NOT_PLAIN_ATTENTION = ("kv_lora_rank", "linear_num_value_heads", "layer_types", "mamba", "ssm_state_size")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a decoder-only transformer that decide its memory."""
@@ -99,6 +104,11 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         return (self.params - self.vision_params - self.vocab * self.hidden) // self.layers
+
+    def kv_cache_elements_per_token(self, tp: int = 1) -> int:
+        """K and V of every layer for one token on one of `tp` ranks (a rank keeps at least one whole head):
+        2 * layers * max(kv_heads / tp, 1) * head_dim."""
+        return 2 * self.layers * max(self.kv_heads // tp, 1) * self.head_dim
 
     def activation_elements_per_token_layer(self) -> int:
         """Tensors a decoder layer saves for backward, per token (counted on transformers' Llama):
@@ -204,9 +214,6 @@ class MemoryPlan:
 # 256 sequences per TP rank in one scheduler step for the LLM class.
 VLLM_CPU_BLOCK_TOKENS = 128
 VLLM_CPU_MAX_NUM_SEQS = 256
-# Config keys of attention that is not one K and V per layer and token (latent attention, linear attention or
-# state-space layers): for them the KV cache is not sized from the shape, `rollout.cpu_kv_cache_gib` is taken.
-_NOT_PLAIN_ATTENTION = ("kv_lora_rank", "linear_num_value_heads", "layer_types", "mamba", "ssm_state_size")
 
 
 def cpu_kv_cache_gib(cap_gib: float, shape: "ModelShape", max_model_len: int, tp: int = 1,
@@ -222,10 +229,8 @@ def cpu_kv_cache_gib(cap_gib: float, shape: "ModelShape", max_model_len: int, tp
     if not shape.plain_attention:
         return cap_gib
     blocks = -(-max_model_len // VLLM_CPU_BLOCK_TOKENS)
-    kv_heads_per_rank = max(shape.kv_heads // tp, 1)
-    need = (VLLM_CPU_MAX_NUM_SEQS * tp * blocks * VLLM_CPU_BLOCK_TOKENS
-            * 2 * shape.layers * kv_heads_per_rank * shape.head_dim * dtype_bytes)
-    return min(cap_gib, need / 2**30)
+    tokens = VLLM_CPU_MAX_NUM_SEQS * tp * blocks * VLLM_CPU_BLOCK_TOKENS
+    return min(cap_gib, _gib(tokens * shape.kv_cache_elements_per_token(tp), dtype_bytes))
 
 
 def _gib(elements: float, bytes_per: float) -> float:
@@ -307,7 +312,7 @@ def rollout_items(cfg, shape: ModelShape, b: int, gpu: bool, capacity_gib: float
     if engine_kind(cfg) == "hf":
         return [Item("rollout", "HF generate: the actor's weights, a KV cache of one batch",
                      _gib(cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.data.max_response_length)
-                          * shape.layers * 2 * shape.kv_heads * shape.head_dim, 4), ("generation",))]
+                          * shape.kv_cache_elements_per_token(), 4), ("generation",))]
     # Colocated with sleep mode on, the CPU engine releases its KV cache and (an update follows) its
     # weights' pages after each generation (workers/host_pages.py).
     phases = ("generation",) if cfg.rollout.enable_sleep_mode and cfg.trainer.placement != "disaggregated" else always

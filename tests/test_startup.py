@@ -7,9 +7,12 @@ exit, the report's row.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
+
+import pytest
 
 from rlframe.trainer.startup import PREFIX, StartupProfile, describe, process_age_s, worker_group_parts
 
@@ -101,18 +104,12 @@ class _CollectorProbe:
     """A role that records whether the garbage collector ran automatically while it was built."""
 
     def __init__(self, fail: bool = False):
-        import gc
-
         self.collector_was_enabled = gc.isenabled()
         if fail:
             raise RuntimeError("this role fails to build")
 
 
 def test_the_collector_is_paused_while_roles_build_and_back_after_even_on_an_error():
-    import gc
-
-    import pytest
-
     from rlframe.collector import collector_paused
     from rlframe.controller.errors import WorkerError
     from rlframe.controller.worker_host import WorkerHost
