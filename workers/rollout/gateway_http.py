@@ -2,7 +2,9 @@
 
 `GatewayServer` (the standard library's ThreadingHTTPServer) refuses a connection past `max_connections` with 503;
 `GatewayHandler` checks the key from the headers and `Content-Length` before it reads a body, then hands each call
-to its `Gateway` and writes the answer (`response_body`, or `stream_events` for a streamed one). What is checked,
+to its `Gateway` and writes the answer (`response_body`, or `stream_events` for a streamed one). It does not import
+gateway.py (which imports it): the server and handler get their Gateway as an attribute, and `record` below is
+gateway.py's CallRecord. What is checked,
 and the codes of each refusal: gateway.py's docstring and docs/gateway.md.
 """
 
@@ -15,12 +17,8 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
 
 from rlframe.workers.rollout.gateway_chat import RequestError
-
-if TYPE_CHECKING:
-    from rlframe.workers.rollout.gateway import CallRecord, Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +38,7 @@ class GatewayServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False  # stop() closes the connections and joins their threads itself
     request_queue_size = 256  # the listen backlog (the standard library's 5 drops bursts of connects: 1 s retries)
-    gateway: Gateway = None
+    gateway = None  # the Gateway (gateway.py) served: set by Gateway.start
 
     def process_request(self, request, client_address):
         gateway = self.gateway
@@ -106,7 +104,7 @@ def refuse_busy(request, limit: int) -> None:
 class GatewayHandler(BaseHTTPRequestHandler):
     """HTTP/1.1: JSON in, JSON (or server-sent events, chunked) out; errors in OpenAI's {"error": {...}} form."""
 
-    gateway: Gateway = None  # set on the per-server subclass
+    gateway = None  # the Gateway (gateway.py): set on the per-server subclass
     protocol_version = "HTTP/1.1"
     timeout = 21.0  # set on the per-server subclass from limits.read_timeout_s
 
@@ -262,7 +260,7 @@ class GatewayHandler(BaseHTTPRequestHandler):
         self.send_json(error.status, {"error": {"message": str(error), "type": kind, "param": error.param,
                                                 "code": error.code}})
 
-    def send_stream(self, endpoint: str, body: dict, record: CallRecord, choices: list[dict]) -> None:
+    def send_stream(self, endpoint: str, body: dict, record, choices: list[dict]) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -273,7 +271,7 @@ class GatewayHandler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
 
-def usage(record: CallRecord, choices: list[dict]) -> dict:
+def usage(record, choices: list[dict]) -> dict:
     completion = sum(len(c["ids"]) for c in choices)
     return {"prompt_tokens": len(record.prompt_ids), "completion_tokens": completion,
             "total_tokens": len(record.prompt_ids) + completion}
@@ -284,7 +282,7 @@ def token_logprobs(choice: dict, tokenizer) -> list[dict]:
              "top_logprobs": []} for t, lp in zip(choice["ids"], choice["log_probs"])]
 
 
-def response_body(endpoint: str, body: dict, record: CallRecord, choices: list[dict], tokenizer) -> dict:
+def response_body(endpoint: str, body: dict, record, choices: list[dict], tokenizer) -> dict:
     created, model = int(time.time()), body.get("model") or "rlframe-policy"
     if endpoint == "chat":
         out = [{"index": i, "message": c["message"], "finish_reason": c["finish_reason"],
@@ -304,7 +302,7 @@ def response_body(endpoint: str, body: dict, record: CallRecord, choices: list[d
             "choices": out, "usage": usage(record, choices)}
 
 
-def stream_events(endpoint: str, body: dict, record: CallRecord, choices: list[dict]) -> list[str]:
+def stream_events(endpoint: str, body: dict, record, choices: list[dict]) -> list[str]:
     """The server-sent events of a streamed response: per choice its content (and tool calls) in one chunk, then
     its finish reason; the usage chunk when stream_options.include_usage; [DONE]."""
     created, model = int(time.time()), body.get("model") or "rlframe-policy"
