@@ -206,7 +206,8 @@ def test_outputs_match():
 
 
 def test_sandboxes_die_with_their_parent(tmp_path):
-    """A reward worker killed mid-run (its timeout) leaves no sandboxed program behind."""
+    """A reward worker killed mid-run (its timeout) leaves no sandboxed program behind: neither launcher, nor the
+    program it forked (before or after that program's exec), nor a process under the programs' dropped uids."""
     import signal
     import subprocess
     import sys
@@ -218,28 +219,54 @@ def test_sandboxes_die_with_their_parent(tmp_path):
         sb.run_many([{"code": "import time\\ntime.sleep(1000)"}] * 2)
         """))
     parent = subprocess.Popen([sys.executable, str(script)])
+    marker = f'"parent_pid": {parent.pid}'.encode()
+    dropped_uids = range(DEFAULT_UID_BASE + parent.pid * 256, DEFAULT_UID_BASE + parent.pid * 256 + 256)
 
-    def survivors():
-        found = []
+    def processes():
+        """pid -> (parent pid, start time, command line, uid) of every live process (zombies are dead)."""
+        table = {}
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
+                stat = open(f"/proc/{pid}/stat").read()
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            except OSError:
-                continue
-            try:
                 uid = os.stat(f"/proc/{pid}").st_uid
             except OSError:
                 continue
-            launcher = b"--launch" in cmdline and f'"parent_pid": {parent.pid}'.encode() in cmdline
-            program = 0 <= uid - (DEFAULT_UID_BASE + parent.pid * 256) < 256  # its dropped uid
-            if launcher or program:
-                found.append(pid)
-        return found
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ..., starttime (the 20th)
+            if fields[0] not in ("Z", "X"):
+                table[int(pid)] = (int(fields[1]), fields[19], cmdline, uid)
+        return table
+
+    def launchers(table):
+        """This parent's launchers. A launcher's forked pid 1 carries the launcher's command line until it execs:
+        a "launcher" whose parent is a launcher is that child, not one more sandbox."""
+        def looks_like_launcher(pid):
+            return pid in table and b"--launch" in table[pid][2] and marker in table[pid][2]
+        return [pid for pid in table if looks_like_launcher(pid) and not looks_like_launcher(table[pid][0])]
+
+    def started(table):
+        """(pid, start time) of both sandboxes' launchers and programs once both programs run (their launcher's
+        child has exec'd the interpreter; as root, under its dropped uid), else None."""
+        tops = launchers(table)
+        programs = [pid for pid, (ppid, _, cmdline, uid) in table.items()
+                    if ppid in tops and b"--launch" not in cmdline and (os.geteuid() != 0 or uid in dropped_uids)]
+        if len(tops) != 2 or len(programs) != 2:
+            return None
+        return {(pid, table[pid][1]) for pid in tops + programs}
+
+    def survivors():
+        table = processes()
+        recorded = [pid for pid, start in sandboxes if pid in table and table[pid][1] == start]
+        dropped = [pid for pid, (_, _, _, uid) in table.items() if uid in dropped_uids]
+        return sorted(set(recorded + launchers(table) + dropped))
+
     deadline = time.monotonic() + 20
-    expected = 4 if os.geteuid() == 0 else 2  # 2 launchers (+ 2 programs under their own uid)
-    while time.monotonic() < deadline and len(survivors()) < expected:
+    sandboxes = started(processes())
+    while sandboxes is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(survivors()) == expected, "the sandboxes did not start"
+        sandboxes = started(processes())
+    assert sandboxes is not None, "the sandboxes did not start"
+    assert len(sandboxes) == 4 and len(survivors()) == 4  # 2 launchers + 2 programs, all seen
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 5
