@@ -48,6 +48,9 @@ HEADROOM = 0.92  # refuse a plan above this share of a device (allocator fragmen
 # Config keys of attention that is not one K and V per layer and token (latent attention, linear attention or
 # state-space layers): for them the KV cache is not sized from the shape, `rollout.cpu_kv_cache_gib` is taken.
 _NOT_PLAIN_ATTENTION = ("kv_lora_rank", "linear_num_value_heads", "layer_types", "mamba", "ssm_state_size")
+# Qwen2AudioEncoderConfig's defaults (Qwen2-Audio-7B's encoder): a config.json may leave them out.
+AUDIO_ENCODER_DEFAULTS = {"d_model": 1280, "encoder_ffn_dim": 5120, "encoder_layers": 32, "num_mel_bins": 128,
+                          "max_source_positions": 1500}
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,13 @@ class ModelShape:
     vision_intermediate: int = 0
     vision_depth: int = 0
     vision_merge: int = 2  # patches per merged (language-model) token: vision_merge ** 2
+    # An audio-language model's audio encoder (Qwen2-Audio's Whisper-style one, with its projector; included in
+    # `params`); its activations on each audio's window: audio_activation_elements_per_audio.
+    audio_params: int = 0
+    audio_hidden: int = 0  # d_model
+    audio_ffn: int = 0  # encoder_ffn_dim
+    audio_layers: int = 0  # encoder_layers
+    audio_positions: int = 0  # max_source_positions: the encoder's positions per audio (its whole window)
     plain_attention: bool = True  # one K and V per layer and token (not latent, linear or state-space layers)
 
     @classmethod
@@ -95,15 +105,33 @@ class ModelShape:
         vc, model_type = config.get("vision_config") or {}, config.get("model_type", "")
         vh = int(vc.get("hidden_size") if "qwen2_5" in model_type else vc.get("embed_dim") or vc.get("hidden_size") or 0)
         vi = int(vc.get("intermediate_size") if "qwen2_5" in model_type else vh * vc.get("mlp_ratio", 4)) if vc else 0
-        return cls(params=embeddings + layers * per_layer + h + vision, layers=layers, hidden=h, intermediate=inter,
-                   vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts, tied=tied,
-                   vision_params=vision, vision_hidden=vh, vision_intermediate=vi,
+        ac = config.get("audio_config") or {}
+        audio = audio_encoder_params(ac, h)
+        sizes = audio_sizes(ac) if audio else dict.fromkeys(AUDIO_ENCODER_DEFAULTS, 0)
+        return cls(params=embeddings + layers * per_layer + h + vision + audio, layers=layers, hidden=h,
+                   intermediate=inter, vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim, experts=experts,
+                   tied=tied, vision_params=vision, vision_hidden=vh, vision_intermediate=vi,
                    vision_depth=int(vc.get("depth", 0)) if vision else 0, vision_merge=int(vc.get("spatial_merge_size", 2)),
+                   audio_params=audio, audio_hidden=sizes["d_model"], audio_ffn=sizes["encoder_ffn_dim"],
+                   audio_layers=sizes["encoder_layers"], audio_positions=sizes["max_source_positions"],
                    plain_attention=not any(key in text for key in _NOT_PLAIN_ATTENTION))
 
     @property
     def layer_params(self) -> int:
-        return (self.params - self.vision_params - self.vocab * self.hidden) // self.layers
+        return (self.params - self.vision_params - self.audio_params - self.vocab * self.hidden) // self.layers
+
+    @property
+    def audio_tokens_per_window(self) -> int:
+        """Language-model tokens of an audio that fills the encoder's window: the pooling by 2 of its positions."""
+        return (self.audio_positions - 2) // 2 + 1 if self.audio_positions else 0
+
+    def audio_activation_elements_per_audio(self) -> int:
+        """Tensors the audio encoder saves for backward on one audio: every audio is padded to the window, so
+        the encoder runs on all `audio_positions` positions whatever the audio's length. Per position and layer:
+        two LayerNorms' inputs and outputs (4d), q, k, v (3d), the attention output (d), fc1's output and its
+        GELU (2f): 8d + 2f; the convolutions' outputs and GELUs (conv1 at twice the positions): 6d."""
+        d = self.audio_hidden
+        return self.audio_positions * (self.audio_layers * (8 * d + 2 * self.audio_ffn) + 6 * d)
 
     def kv_cache_elements_per_token(self, tp: int = 1) -> int:
         """K and V of every layer for one token on one of `tp` ranks (a rank keeps at least one whole head):
@@ -136,6 +164,26 @@ def vision_tower_params(vision: dict | None, model_type: str) -> int:
     patch = int(vision.get("in_channels", 3)) * int(vision.get("temporal_patch_size", 2)) * int(vision.get("patch_size", 14)) ** 2 * vh
     merger = (1 if gated else 2) * vh + merged * merged + merged + merged * out + out
     return int(vision["depth"]) * block + patch + merger
+
+
+def audio_sizes(audio: dict) -> dict[str, int]:
+    return {key: int(audio.get(key) or default) for key, default in AUDIO_ENCODER_DEFAULTS.items()}
+
+
+def audio_encoder_params(audio: dict | None, text_hidden: int) -> int:
+    """Parameters of a Qwen2-Audio audio encoder (Whisper's) and its projector from its audio_config (0 without one).
+
+    Two convolutions (kernel 3: mel 3 d + d, 3 d^2 + d), the position table (max_source_positions d, frozen), per
+    layer the attention (q, v, out with biases, k without: 4 d^2 + 3 d), two LayerNorms (4 d) and the MLP (2 d f +
+    f + d); the final LayerNorm (2 d); the projector to the language model (d h + h)."""
+    if not audio:
+        return 0
+    audio = audio_sizes(audio)
+    d, f, mel = audio["d_model"], audio["encoder_ffn_dim"], audio["num_mel_bins"]
+    positions, layers = audio["max_source_positions"], audio["encoder_layers"]
+    stem = mel * 3 * d + d + 3 * d * d + d + positions * d
+    layer = 4 * d * d + 3 * d + 4 * d + 2 * d * f + f + d
+    return stem + layers * layer + 2 * d + d * text_hidden + text_hidden
 
 
 @dataclass
@@ -291,6 +339,13 @@ def trainer_items(cfg, shape: ModelShape, role: str, shards: int, b: int, gpu: b
         per_patch = 10 * shape.vision_hidden + 4 * shape.vision_intermediate
         items.append(Item(role, f"vision tower activations for backward (<= {patches} patches)",
                           _gib(shape.vision_depth * patches * per_patch, b), ("update",), True))
+    if train and shape.audio_params:
+        # The audio encoder's saved activations: at most every prompt token an audio token, in whole windows
+        # (ceil(max_prompt_length / tokens per window) audios per sequence); each audio is padded to the window.
+        per_sequence = -(-cfg.data.max_prompt_length // shape.audio_tokens_per_window)
+        audios = micro_sequences_of(tokens, cfg) * per_sequence
+        items.append(Item(role, f"audio encoder activations for backward (<= {audios} audios)",
+                          _gib(audios * shape.audio_activation_elements_per_audio(), b), ("update",), True))
     if logits and train:
         items.append(Item(role, f"fp32 logits + log-softmax ({response_tokens} response tokens)",
                           _gib(2 * response_tokens * shape.vocab, 4), ("update",), True))

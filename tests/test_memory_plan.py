@@ -159,3 +159,51 @@ def test_suggested_fixes_skip_settings_already_made():
     cfg = toy_config("actor.world_size=1", "model.gradient_checkpointing=true", "actor.ppo_micro_batch_size_per_device=16")
     fixes = fixes_that_fit(cfg, ModelShape.from_hf_config(QWEN25_7B), gpu=True, capacity_gib=80.0)
     assert not any("gradient_checkpointing" in fix for fix in fixes)
+
+
+def test_audio_encoder_parameters_match_the_tiny_qwen2_audio():
+    import torch  # noqa: F401  (transformers' model classes)
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    from rlframe.models.tiny_audio import build_tokenizer, tiny_audio_config
+
+    config = tiny_audio_config(build_tokenizer())
+    shape = ModelShape.from_hf_config(config.to_dict())
+    # d 32, ffn 64, 2 layers, 128 mel bins, 200 positions, text hidden 64:
+    # convolutions 128*3*32 + 32 + 3*32*32 + 32 and the position table 200*32 = 21824;
+    # a layer 4*32^2 + 3*32 (attention) + 4*32 (norms) + 2*32*64 + 64 + 32 (MLP) = 8512, two: 17024;
+    # the final norm 64; the projector 32*64 + 64 = 2112
+    assert shape.audio_params == 21824 + 17024 + 64 + 2112 == 41024
+    assert (shape.audio_hidden, shape.audio_ffn, shape.audio_layers, shape.audio_positions) == (32, 64, 2, 200)
+    assert shape.audio_tokens_per_window == 100  # 4 s: (200 - 2) // 2 + 1
+    model = Qwen2AudioForConditionalGeneration(config).model
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    assert shape.audio_params == count(model.audio_tower) + count(model.multi_modal_projector) == 38912 + 2112
+    assert shape.params == count(model)  # the language model (its LM head tied to the embedding) + the audio encoder
+
+
+AUDIO_TOY = ModelShape(params=2**27, layers=4, hidden=256, intermediate=512, vocab=4096, heads=4, kv_heads=4,
+                       head_dim=64, audio_params=41024, audio_hidden=32, audio_ffn=64, audio_layers=2,
+                       audio_positions=200)
+
+
+def test_audio_encoder_activations_by_hand():
+    def audio_item(*overrides):
+        cfg = toy_config("actor.world_size=1", "actor.ppo_micro_batch_size_per_device=2", "data.max_response_length=32",
+                         *overrides)
+        (device,) = plan_memory(cfg, AUDIO_TOY, gpu=False, capacity_gib=64.0).devices
+        (item,) = [i for i in device.items if i.what.startswith("audio encoder activations")]
+        return item
+
+    # per audio: 200 positions x (2 layers x (8*32 + 2*64) + 6*32) = 200 x 960 = 192000 elements, fp32 on CPU
+    per_audio = 200 * (2 * (8 * 32 + 2 * 64) + 6 * 32)
+    assert AUDIO_TOY.audio_activation_elements_per_audio() == per_audio == 192_000
+    # 96 prompt tokens hold ceil(96 / 100) = 1 window per sequence; a micro-batch of 2 sequences: 2 audios
+    item = audio_item("data.max_prompt_length=96")
+    assert item.gib == pytest.approx(2 * per_audio * 4 / GIB) and "<= 2 audios" in item.what
+    assert item.phases == ("update",) and item.transient
+    # 250 prompt tokens: ceil(250 / 100) = 3 windows per sequence, 6 audios
+    assert audio_item("data.max_prompt_length=250").gib == pytest.approx(6 * per_audio * 4 / GIB)
+    # a text model has no such item
+    (device,) = plan_memory(toy_config(), TOY, gpu=False, capacity_gib=64.0).devices
+    assert not any("audio" in i.what for i in device.items)
