@@ -26,6 +26,14 @@ LLM judge (docs/judge.md): judge (a URL, http://host:port/v1, or `run` with run=
 be a URL here) and judge_model (the served name): every response is also graded by the judge as training grades it
 (its rubric, verdict pattern or parser); judge_score_mean (over the scorable responses) and judge_unscorable_rate
 join the metrics, and each response's judge reply and score join the out= rows.
+Teacher (docs/distillation.md; rlframe/evaluation/teacher.py): teacher (an HF folder, or `run` with run=: the run's
+teacher.path) scores every response under the teacher too, at temperature 1, by an HF forward in this process:
+teacher_reverse_kl (per token, mean over the response tokens of log pi - log pi_teacher on the sampled tokens),
+teacher_log_prob_mean and teacher_model_log_prob_mean join the metrics, each response's values the out= rows. The
+teacher's tokenizer and chat template must be the model's (checked as training checks them).
+Images, videos, audios in the prompts (docs/vision.md): read with the run's data.image_key / video_key / audio_key
+and size settings (the defaults: images, videos, audios) and passed to generation and scoring as validation passes
+them; method=cot, self_check and constrained are text-only.
 harness (lm-eval task names, comma-separated), harness_include (a folder of task YAMLs), harness_fewshot,
 harness_backend (hf | vllm; rlframe/evaluation/harness.py).
 
@@ -52,7 +60,7 @@ from rlframe.evaluation.stats import pass_at_k  # noqa: F401  (the estimator, re
 KEYS = ("model", "data", "reward", "n", "k", "temperature", "top_p", "top_k", "engine", "max_prompt_length",
         "max_response_length", "max_samples", "prompt_key", "answer_key", "prompt_template", "seed", "out", "run",
         "repeats", "bootstrap", "extractor", "table", "method", "cot_instruction", "check_instruction", "constrain",
-        "checkpoints", "harness", "harness_include", "harness_fewshot", "harness_backend", "judge", "judge_model")
+        "checkpoints", "harness", "harness_include", "harness_fewshot", "harness_backend", "judge", "judge_model", "teacher")
 
 
 class EvalUsageError(SystemExit):
@@ -116,6 +124,7 @@ def build_config(args: dict[str, str]):
     elif run_dir is None:
         raise EvalUsageError("reward=<file or file:function> is required")
     configure_judge(cfg, args)
+    configure_teacher(cfg, args)
     d, r = cfg.data, cfg.rollout
     d.max_prompt_length = int(args.get("max_prompt_length", d.max_prompt_length))
     d.max_response_length = int(args.get("max_response_length", d.max_response_length))
@@ -150,6 +159,29 @@ def configure_judge(cfg, args: dict[str, str]) -> None:
     if not judge.url:
         raise EvalUsageError("judge=run: the run has no reward.judge.url (rlframe.eval asks a judge through its URL; "
                              "serve the run's judge model, e.g. `vllm serve <model>`, and give judge=http://host:port/v1)")
+
+
+def configure_teacher(cfg, args: dict[str, str]) -> None:
+    """teacher=: cfg.teacher as the evaluation uses it (off without teacher=; a run's teacher is not asked unless
+    teacher=run says so). Always a forward in this process (teacher.backend=fsdp), one teacher for every row (a
+    run's `teachers:` routes are not applied)."""
+    teacher = cfg.teacher
+    run_teacher = teacher.path
+    teacher.backend, teacher.url, teacher.temperature = "fsdp", None, 1.0
+    cfg.teachers = {}
+    if "teacher" not in args:
+        teacher.path = None
+        return
+    if args["teacher"] != "run":
+        teacher.path = str(Path(args["teacher"]).expanduser())
+        return
+    if "run" not in args:
+        raise EvalUsageError("teacher=run: needs run=<run_dir> (the run whose teacher.path to use); or give "
+                             "teacher=<the teacher's HF folder>")
+    if not run_teacher:
+        raise EvalUsageError(f"teacher=run: the run {args['run']} has no teacher.path (it did not distil). Fix: "
+                             "teacher=<the teacher's HF folder>")
+    teacher.path = run_teacher
 
 
 def run_validation_files(cfg, run_dir: Path) -> list[str]:
@@ -225,7 +257,7 @@ def options_from_args(args: dict[str, str]):
             raise EvalUsageError(f"extractor={args['extractor']}: give path:function (a function text -> answer)")
         extractor = load_function(path, name, "extractor")
     return EvalOptions(n=n, ks=ks, methods=methods, repeats=integer("repeats", 1), constraint=constraint,
-                       judge="judge" in args,
+                       judge="judge" in args, teacher="teacher" in args,
                        cot_instruction=args.get("cot_instruction", COT_INSTRUCTION),
                        check_instruction=args.get("check_instruction", CHECK_INSTRUCTION), extractor=extractor,
                        resamples=integer("bootstrap", 1000, low=10))
@@ -282,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         if "model" not in args:
             raise EvalUsageError("harness=...: model=<HF folder or checkpoint> is required")
+        if "teacher" in args:
+            raise EvalUsageError("harness=... and teacher=...: the teacher scores rlframe.eval's own generations; "
+                                 "run them as two commands")
         try:
             return run_harness(args, resolve_model(args["model"], Path.cwd()))
         except HarnessError as error:

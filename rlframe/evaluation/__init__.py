@@ -7,4 +7,5 @@
     checkpoints.py  checkpoints=all: every checkpoint of a run through one engine
     harness.py      lm-evaluation-harness tasks (local task YAMLs) on a model, in the same table format
     tables.py       the flat metrics, the markdown tables and the checkpoint curve
+    teacher.py      teacher=: the responses under a teacher (per-token reverse KL, its log-prob)
 """

@@ -5,8 +5,10 @@ turn the scores into per-prompt metrics with intervals.
     table = evaluator.evaluate()                                # {method: MethodResult}, over options.repeats seeds
     evaluator.load_model(other_model_path)                      # the same engine, new weights (checkpoints=all)
 
-The pieces are the trainer's own (RLDataset + collate_prompts, the rollout engine from RolloutSettings through
-generate_sequences, the Scorer and validation's accuracy rule), in this process, without Ray.
+The pieces are the trainer's own (RLDataset with the trainer's dataset options + collate_prompts, validation's
+split_prompts, which hands the rows' images, videos and audios to the engine, the rollout engine from
+RolloutSettings through generate_sequences, the Scorer and validation's accuracy rule; with teacher= the teacher
+role's forward engines, rlframe/evaluation/teacher.py), in this process, without Ray.
 
 Sampling seeds: repeat r uses seed = trainer.seed + r: `torch.manual_seed(seed)` (HF generate) and one vLLM
 generator per sample seeded with seed * 1_000_003 + row (vLLM), so a result does not depend on the batch.
@@ -27,6 +29,8 @@ from rlframe.evaluation.constraints import Constraint, compile_constraint, gener
 from rlframe.evaluation.methods import (CHECK_INSTRUCTION, COT_INSTRUCTION, extracted_answers, second_turn,
                                         turn_pieces, with_instruction)
 from rlframe.evaluation.stats import BOOTSTRAP_RESAMPLES, Estimate, Spread, per_prompt_metrics
+from rlframe.evaluation.teacher import (TeacherInputError, TeacherScorer, TeacherScores, check_teacher,
+                                        response_means, teacher_extras)
 
 # What each method is judged by (its "score" column); every gain is that minus plain's accuracy, per prompt.
 HEADLINE = {"plain": "accuracy", "cot": "accuracy", "self_consistency": "maj@{n}", "self_check": "accuracy",
@@ -48,6 +52,7 @@ class EvalOptions:
     extractor: Callable[[str], str | None] | None = None
     resamples: int = BOOTSTRAP_RESAMPLES
     judge: bool = False  # grade every response with cfg.reward.judge too (judge_score_mean, judge_unscorable_rate)
+    teacher: bool = False  # score every response under cfg.teacher.path too (rlframe/evaluation/teacher.py)
 
     def __post_init__(self):
         self.ks = list(self.ks or [self.n])
@@ -66,6 +71,10 @@ class Samples:
     lengths: np.ndarray
     judge_scores: np.ndarray | None = None  # the LLM judge's score of each response (NaN: unscorable); None: no judge
     judge_replies: list[str] | None = None
+    teacher: TeacherScores | None = None  # the responses under the teacher (teacher=); None: no teacher
+    # the engine's own mean log-prob of each response (its sampling distribution; 0 under HF constrained decoding):
+    # beside teacher.model_log_prob, the check that generation and scoring saw the same inputs (media included)
+    engine_log_prob: np.ndarray | None = None
 
 
 @dataclass
@@ -93,26 +102,33 @@ class EvalInputError(ValueError):
 
 class Evaluator:
     judge = None  # a JudgeReward with options.judge
+    teacher = None  # a TeacherScorer with options.teacher
 
     def __init__(self, cfg, model_path: str, files: list[str], options: EvalOptions):
         from transformers import AutoTokenizer
 
         from rlframe.data.dataset import RLDataset
         from rlframe.trainer.phases import PhaseClock
+        from rlframe.trainer.rl_trainer import dataset_options
         from rlframe.trainer.scorer import Scorer
         from rlframe.trainer.worker_settings import rollout_settings
 
         self.cfg, self.options = cfg, options
         check_options(options, cfg.rollout.val_temperature)
         data = cfg.data
+        if options.teacher:  # the teacher's folder and tokenizer, before anything is built
+            try:
+                check_teacher(cfg, model_path)
+            except TeacherInputError as error:
+                raise EvalInputError(str(error)) from None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-        dataset = RLDataset(files, self.tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                            prompt_template=data.prompt_template, max_prompt_length=data.max_prompt_length,
-                            overlong=data.overlong, bad_rows=data.bad_rows)
+        # training's data path: images, videos and audios read, decoded and encoded as the trainer's datasets do
+        dataset = RLDataset(files, self.tokenizer, **dataset_options(cfg))
         self.count = min(len(dataset), data.val_max_samples or len(dataset))
         tok = self.tokenizer
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.rows = [dataset[i] for i in range(self.count)]
+        check_media_methods(self.rows, options.methods, cfg.data)
         settings = rollout_settings(cfg, model_path)
         if {"cot", "self_check"} & set(options.methods):  # longer prompts: an instruction (and the first answer)
             extra = INSTRUCTION_TOKENS + (data.max_response_length if "self_check" in options.methods else 0)
@@ -131,6 +147,8 @@ class Evaluator:
             from rlframe.reward.judge import build_judge
 
             self.judge = build_judge(cfg, None)
+        if options.teacher:  # the teacher and the model as forward-only engines (teacher=)
+            self.teacher = TeacherScorer(cfg, model_path)
 
     def load_model(self, model_path: str) -> int:
         """Stream `model_path`'s weights into the one engine (same engine, same settings); tensors loaded."""
@@ -142,6 +160,8 @@ class Evaluator:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
 
+        if self.teacher is not None:
+            self.teacher.load_model(model_path)
         return self.engine.load_weights(tensors())
 
     # -------------------------------------------------------------- generation
@@ -151,6 +171,7 @@ class Evaluator:
         """Generate one response per row (prompt texts already repeated n times) and score it."""
         from rlframe.data.dataset import collate_prompts
         from rlframe.trainer.scorer import validation_accuracy
+        from rlframe.trainer.validation import split_prompts
         from rlframe.workers.rollout.base import generate_sequences
 
         n = self.options.n
@@ -159,7 +180,7 @@ class Evaluator:
         rows = [{**self.rows[i // n], "input_ids": list(ids), "raw_prompt": text}
                 for i, (ids, text) in enumerate(zip(input_ids, raw_prompts))]
         batch = collate_prompts(rows, self.pad)
-        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        prompts = split_prompts(batch, self.cfg)  # validation's: the ids, masks and the rows' media for the engine
         prompts.meta_info["validate"] = True
         prompts.non_tensor_batch["sample_seed"] = np.array([seed * 1_000_003 + i for i in range(len(rows))],
                                                            dtype=object)
@@ -181,12 +202,14 @@ class Evaluator:
             unwrap = chat_unwrapper(self.tokenizer)
             judged = self.judge.score([unwrap(prompt_text(p)) for p in raw_prompts], texts,
                                       list(batch.non_tensor_batch["ground_truth"]))
+        teacher = None if self.teacher is None else self.teacher.score(batch)
         return Samples(raw_prompts=list(raw_prompts), truths=truths, texts=texts, scores=np.asarray(result.scores, dtype=float),
                        accuracy=validation_accuracy(result).astype(float),
                        answers=extracted_answers(texts, result.extras, self.options.extractor),
                        lengths=batch.batch["response_mask"].sum(-1).numpy().astype(float),
                        judge_scores=None if judged is None else judged.scores, judge_replies=None if judged is None
-                       else judged.outputs)
+                       else judged.outputs, teacher=teacher,
+                       engine_log_prob=response_means(batch.batch["rollout_log_probs"], batch.batch["response_mask"]))
 
     def method_samples(self, method: str, seed: int, plain: Samples | None) -> Samples:
         """The samples a method is judged on (self_consistency votes on plain's; self_check revises them)."""
@@ -230,6 +253,8 @@ class Evaluator:
                 result.extra.update(revision_flips(runs["plain"][0][1].accuracy, per_seed[0][1].accuracy))
             if self.judge is not None and method != "self_consistency":
                 result.extra.update(judge_extras([samples for _, samples in per_seed]))
+            if self.teacher is not None and method != "self_consistency":
+                result.extra.update(teacher_extras([samples.teacher for _, samples in per_seed]))
             results[method] = result
         return results
 
@@ -244,6 +269,7 @@ class Evaluator:
 
     def close(self) -> None:
         self.scorer.close()
+        self.teacher = None
         if self.judge is not None:
             self.judge.close()
 
@@ -254,6 +280,26 @@ def judge_extras(passes: list[Samples]) -> dict[str, float]:
     scorable = ~np.isnan(scores)
     return {"judge_score_mean": float(scores[scorable].mean()) if scorable.any() else float("nan"),
             "judge_unscorable_rate": float(1.0 - scorable.mean()) if len(scores) else 0.0}
+
+
+MEDIA_COLUMNS = {"image": "image_key", "video": "video_key", "audio": "audio_key"}  # multi_modal_data -> data.<key>
+TEXT_ONLY_METHODS = ("cot", "self_check", "constrained")
+
+
+def check_media_methods(rows: list[dict], methods: list[str], data) -> None:
+    """Rows with images, videos or audios are generated and scored as validation does (plain; self_consistency
+    votes on plain's samples); cot and self_check re-tokenize an edited prompt text (which holds the media
+    placeholders, not their processor-expanded tokens) and constrained decodes without the media inputs: refused."""
+    text_only = [m for m in methods if m in TEXT_ONLY_METHODS]
+    if not text_only:
+        return
+    for i, row in enumerate(rows):
+        for modality in (row.get("multi_modal_data") or {}):
+            key = MEDIA_COLUMNS.get(modality, "image_key")
+            raise EvalInputError(
+                f"method={','.join(text_only)}: row {i} has {modality} input (column '{getattr(data, key)}', "
+                f"data.{key}); {', '.join(TEXT_ONLY_METHODS)} are text-only in rlframe.eval (they re-tokenize the "
+                "prompt text or decode without the media). Fix: method=plain (or self_consistency) on this data")
 
 
 def check_options(options: EvalOptions, temperature: float) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from rlframe.evaluation.stats import Estimate
 
 RATES = ("accuracy", "pass@", "mean@", "maj@")  # metric names that get an interval
+OWN_NOTES = ("judge_", "teacher_")  # extras with a note of their own under the table (the rest: self-check's)
 
 
 def _is_rate(key: str) -> bool:
@@ -78,14 +79,18 @@ def method_table(results: dict, ks: list[int], prompts: int, n: int, seed: int =
         if repeats:
             cells.append(f"{result.spread(result.headline).std:.4f}")
         lines.append("| " + " | ".join(cells) + " |")
-    extras = "; ".join(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.extra.items() if not k.startswith("judge_"))
-                       for name, r in results.items() if any(not k.startswith("judge_") for k in r.extra))
+    extras = "; ".join(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.extra.items() if not k.startswith(OWN_NOTES))
+                       for name, r in results.items() if any(not k.startswith(OWN_NOTES) for k in r.extra))
     judged = "; ".join(f"{name}: judge score {r.extra['judge_score_mean']:.3f}, unscorable "
                        f"{r.extra['judge_unscorable_rate']:.3f}" for name, r in results.items() if "judge_score_mean" in r.extra)
+    taught = "; ".join(f"{name}: reverse KL {r.extra['teacher_reverse_kl']:.4g} per token, teacher log-prob "
+                       f"{r.extra['teacher_log_prob_mean']:.4f}" for name, r in results.items()
+                       if "teacher_reverse_kl" in r.extra)
     lines.append("")
     lines.append(f"{prompts} prompts x {n} samples; seeds {', '.join(str(s) for s in plain.seeds)}; intervals: "
                  f"percentile bootstrap over prompts ({resamples} resamples, seed {seed})"
-                 + (f"; self-check revisions {extras}" if extras else "") + (f"; LLM judge {judged}" if judged else ""))
+                 + (f"; self-check revisions {extras}" if extras else "") + (f"; LLM judge {judged}" if judged else "")
+                 + (f"; teacher {taught}" if taught else ""))
     return lines
 
 
@@ -132,7 +137,8 @@ def write_checkpoint_outputs(rows: list[dict], ks: list[int], out_dir: Path, set
 
 def write_samples(path: Path, results: dict, n: int, fields: dict | None = None, mode: str = "w") -> None:
     """Every response of every method with its reward, one json line each: {method, prompt_index, sample,
-    response, ground_truth, score, acc, answer}, plain's first (in row order), then each other method's
+    response, ground_truth, score, acc, answer; with judge= judge, judge_score; with teacher= teacher_reverse_kl,
+    teacher_log_prob, model_log_prob}, plain's first (in row order), then each other method's
     (with its prompt when the method changed it). self_consistency adds no responses: it votes on plain's.
     `fields` are added to every row (checkpoints=: the step); mode "a" appends."""
     with open(path, mode) as f:
@@ -149,4 +155,8 @@ def write_samples(path: Path, results: dict, n: int, fields: dict | None = None,
                 if samples.judge_scores is not None:  # judge=: the judge's reply, its score (null: unscorable)
                     value = float(samples.judge_scores[i])
                     row["judge"], row["judge_score"] = samples.judge_replies[i], None if value != value else value
+                if samples.teacher is not None:  # teacher=: the response's means over its tokens (temperature 1)
+                    t = samples.teacher
+                    row.update(teacher_reverse_kl=float(t.reverse_kl[i]), teacher_log_prob=float(t.teacher_log_prob[i]),
+                               model_log_prob=float(t.model_log_prob[i]))
                 f.write(json.dumps(row) + "\n")
