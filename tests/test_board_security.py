@@ -2,7 +2,8 @@
 over HTTP: a login on every route (the printed token, a password from --auth-file, a lockout after wrong tries),
 the Host / Origin allow-list (DNS rebinding refused), a Preview that starts none of the configuration's processes
 (an MCP server command, an agent command), --auth on the command line refused, the paths Evaluate / Chat / Export
-read confined to the workspace with no symbolic link followed, the upload and max_new_tokens caps, `${` escaped.
+read and the Train tab's teacher folder confined to the workspace with no symbolic link followed, the upload and
+max_new_tokens caps, `${` escaped.
 
 One board is served for the module (in this process, as tests/test_board.py serves it); each test talks to it with
 httpx, the gradio API calls as the page makes them (POST /gradio_api/call/<name>, then its event stream).
@@ -71,8 +72,9 @@ def call(client: httpx.Client, name: str, data: list):
 
 def form(**values) -> list:
     """The Train tab's values in FORM_FIELDS order (the recipe's own everything, unless given)."""
-    data = {"stage": "rl", "recipe": "grpo_math", "model_source": "embedded", "model_path": "", "data_source": "recipe",
-            "train_files": "", "val_files": "", "prompt_key": "", "answer_key": "", "image_key": "",
+    data = {"stage": "rl", "recipe": "grpo_math", "model_source": "embedded", "model_path": "", "teacher_path": "",
+            "distillation_loss_mode": "", "data_source": "recipe", "train_files": "", "val_files": "", "prompt_key": "",
+            "answer_key": "", "image_key": "", "video_key": "", "audio_key": "",
             "reward_path": RECIPE_REWARD, "reward_name": "compute_score", "judge_url": "", "judge_model": "",
             **{k: "" for k in MAIN_KEYS},
             "extra_yaml": ""}
@@ -217,6 +219,23 @@ def test_paths_outside_the_workspace_and_links_are_refused(board, tiny_model_dir
     assert "symbolic link" in message and not (ws / "exports" / "leak2").exists()
     status = call(client, "on_load", [str(ws / "runs" / "elsewhere")])
     assert "symbolic link" in status
+
+
+def test_a_teacher_outside_the_workspace_is_refused(board, tiny_model_dir):
+    """The Train tab's teacher folder (issue 40) as an attacker types it: refused before any check reads it."""
+    client, ws = board["client"], board["ws"]
+    (ws / "uploads" / "teacher-link").symlink_to(tiny_model_dir)
+    for path, needle in (("../../etc", "outside the folders the board reads"), ("/etc", "outside the folders"),
+                         (str(ws / ".." / ".." / "etc"), "outside the folders"),
+                         (str(ws / "uploads" / "teacher-link"), "is a symbolic link, which the board does not follow")):
+        values = form(model_source="folder", model_path=str(tiny_model_dir), teacher_path=path,
+                      distillation_loss_mode="k3")
+        validation, _, command, _ = call(client, "on_preview", ["teacher-run", *values])
+        assert validation.startswith(f"error: the teacher folder '{path}'") and needle in validation, validation
+        assert "distillation.loss_mode=k3" in command
+        validation, _, _, message, _ = call(client, "on_launch", ["teacher-run", *values])
+        assert needle in validation and message.startswith("not started")
+    assert not (ws / "runs" / "teacher-run").exists()
 
 
 def test_chat_answer_length_is_capped(board, tiny_model_dir):

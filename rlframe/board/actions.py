@@ -6,6 +6,7 @@ bad input comes back as an `error: ...` message for the page, and nothing starts
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import pandas as pd
 
 from rlframe.board import runs as runs_mod
 from rlframe.board.datafiles import inspect_data
-from rlframe.board.forms import TrainForm, form_overrides, train_args
+from rlframe.board.forms import TrainForm, command_line, form_overrides, teacher_paths, train_args
 from rlframe.board.launcher import Launcher
 from rlframe.board.preview import Preview, run_preview
 from rlframe.board.security import (
@@ -64,9 +65,39 @@ class Board:
     def default_run_name(self, form: TrainForm) -> str:
         return f"{Path(form.recipe).stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
+    def teacher_folder(self, value: str, what: str = "the teacher folder") -> str:
+        """A teacher as the Train tab names it: a run name of this workspace -> its hf_model; a folder inside the
+        workspace; or an embedded model name / hub id. BoardError for any other path (outside the workspace, or
+        through a symbolic link), as Chat's model folder."""
+        value = (value or "").strip()
+        final = self.workspace / "runs" / clean_name(value) / "hf_model"
+        if value and clean_name(value) == value and (final / "config.json").is_file():
+            value = str(final)
+        return model_or_path(value, self.roots(), what)
+
+    def checked_form(self, form: TrainForm) -> TrainForm:
+        """The form with its teacher folder confined to the workspace (its path resolved there); every teacher the
+        YAML names (teacher.path, teachers.<name>.path) checked the same way. BoardError when one lies outside."""
+        for key, value in teacher_paths(form):
+            if key == "teacher.path" and value == form.teacher_path.strip():
+                form = dataclasses.replace(form, teacher_path=self.teacher_folder(value))
+            else:
+                self.teacher_folder(value, f"the YAML's {key}")
+        return form
+
+    def teacher_choices(self) -> list[str]:
+        """The Train tab's teacher proposals: the workspace's exports and finished runs' final models."""
+        return self.chat_choices()
+
     def preview(self, form: TrainForm, run_name: str, deep: bool = True) -> tuple[Preview, str]:
-        """(the preview, the run name used): the form composed once for the YAML's base, then every check."""
+        """(the preview, the run name used): the form's paths confined, the form composed once for the YAML's base,
+        then every check."""
         run_name = clean_name(run_name.strip()) if run_name.strip() else self.default_run_name(form)
+        try:
+            form = self.checked_form(form)
+        except BoardError as err:  # refused before anything composes or reads the folder
+            args = form_overrides(form)
+            return Preview(ok=False, args=args, command=command_line(args), error=error_text(err)), run_name
         run_dir = self.run_dir(run_name)
         scratch = self.workspace / "scratch" / run_name
         base = run_preview(form_overrides(form) + [f"trainer.run_dir={run_dir}"], run_dir, scratch, deep=False)
@@ -137,6 +168,12 @@ class Board:
     def try_reward(self, form: TrainForm):
         from rlframe.board.rewards import try_reward
 
+        from rlframe.board.rewards import TryResult, empty_table
+
+        try:
+            form = self.checked_form(form)
+        except BoardError as err:
+            return TryResult(empty_table(), "", error_text(err))
         return try_reward(form_overrides(form), self.workspace / "scratch" / "try-reward")
 
     # ---------------------------------------------------------------- watch and runs

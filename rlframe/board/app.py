@@ -19,9 +19,9 @@ from rlframe.board.security import BoardError
 from rlframe.board.settings import list_settings, load_settings, save_settings
 
 # TrainForm fields in the order the page passes them to the handlers.
-FORM_FIELDS = ["stage", "recipe", "model_source", "model_path", "data_source", "train_files", "val_files",
-               "prompt_key", "answer_key", "image_key", "reward_path", "reward_name", "judge_url", "judge_model",
-               *forms.MAIN_KEYS, "extra_yaml"]
+FORM_FIELDS = ["stage", "recipe", "model_source", "model_path", "teacher_path", "distillation_loss_mode",
+               "data_source", "train_files", "val_files", *forms.DATA_KEYS, "reward_path", "reward_name", "judge_url",
+               "judge_model", *forms.MAIN_KEYS, "extra_yaml"]
 PLOT_HEIGHT = 240
 CSS = ("#plan textarea, #command textarea, #log textarea, #yaml textarea {font-family: monospace; font-size: 12px}\n"
        # gradio draws a plot's legend (the series' names) below its axes, outside the svg's box, which clips it
@@ -70,8 +70,8 @@ def form_of(values) -> forms.TrainForm:
     data["reward_path"] = "" if data["reward_path"] in (None, RECIPE_REWARD) else data["reward_path"]
     for key in forms.MAIN_KEYS:
         data[key] = typed(data[key])
-    for key in ("prompt_key", "answer_key", "image_key", "model_path", "reward_name", "judge_url", "judge_model",
-                "extra_yaml"):
+    for key in (*forms.DATA_KEYS, "model_path", "teacher_path", "distillation_loss_mode", "reward_name", "judge_url",
+                "judge_model", "extra_yaml"):
         data[key] = data[key] or ""
     return forms.TrainForm.from_dict(data)
 
@@ -103,6 +103,17 @@ def train_tab(board: Board, L: Labels) -> dict:
         c["model_source"] = L.track(gr.Radio(list(forms.MODEL_SOURCES), value="embedded", label=L("model_source"),
                                              elem_id="model_source", info=key_help("model.path")), "model_source")
         c["model_path"] = L.track(gr.Textbox(label=L("model_path"), elem_id="model_path"), "model_path")
+    # on-policy distillation (docs/distillation.md): the teacher's folder (confined to the workspace, as Chat's) and
+    # the loss; the rest of teacher: / distillation: in the YAML
+    with L.track(gr.Accordion(L("teacher"), open=False, elem_id="teacher_box"), "teacher"), gr.Row():
+        c["teacher_path"] = L.track(gr.Dropdown(["", *board.teacher_choices()], value="", label=L("teacher_path"),
+                                                elem_id="teacher_path", allow_custom_value=True,
+                                                info=key_help("teacher.path")), "teacher_path")
+        c["distillation_loss_mode"] = L.track(gr.Dropdown(["", *forms.loss_modes()], value="",
+                                                          label=L("distillation_loss_mode"),
+                                                          elem_id="distillation_loss_mode",
+                                                          info=key_help("distillation.loss_mode")),
+                                              "distillation_loss_mode")
     with L.track(gr.Accordion(L("data"), open=False, elem_id="data_box"), "data"):
         c["data_source"] = L.track(gr.Radio(list(forms.DATA_SOURCES), value="recipe", label=L("data_source"),
                                             elem_id="data_source"), "data_source")
@@ -121,6 +132,10 @@ def train_tab(board: Board, L: Labels) -> dict:
                                                   info=key_help("data.answer_key")), "answer_col")
             c["image_key"] = L.track(gr.Dropdown([], label=L("image_col"), allow_custom_value=True,
                                                  info=key_help("data.image_key")), "image_col")
+            c["video_key"] = L.track(gr.Dropdown([], label=L("video_col"), allow_custom_value=True, elem_id="video_key",
+                                                 info=key_help("data.video_key")), "video_col")
+            c["audio_key"] = L.track(gr.Dropdown([], label=L("audio_col"), allow_custom_value=True, elem_id="audio_key",
+                                                 info=key_help("data.audio_key")), "audio_col")
     with L.track(gr.Accordion(L("reward"), open=False, elem_id="reward_box"), "reward"):
         with gr.Row():
             c["reward_path"] = L.track(gr.Dropdown(board.reward_choices(), value=RECIPE_REWARD, label=L("reward_pick"),
@@ -183,16 +198,19 @@ def wire_train(board: Board, c: dict, watch_run) -> None:
                 gr.update(choices=names, value=run_name) if preview.ok else gr.update(choices=names))
 
     def on_data(file):
+        unchanged = tuple(gr.update() for _ in range(6))  # the five column drop-downs and the data source
         if file is None:
-            return gr.update(), "", None, gr.update(), gr.update(), gr.update(), gr.update()
+            return gr.update(), "", None, *unchanged
         try:
             kept, info = board.upload_data(file)
         except BoardError as err:
-            return gr.update(), error_text(err), None, gr.update(), gr.update(), gr.update(), gr.update()
+            return gr.update(), error_text(err), None, *unchanged
         return (str(kept), f"{Path(kept).name}: {info.num_rows} rows, columns {', '.join(info.columns)}", info.rows,
                 gr.update(choices=info.prompt_columns, value=info.prompt),
                 gr.update(choices=info.columns, value=info.answer),
-                gr.update(choices=["", *info.columns], value=info.images), "files")
+                gr.update(choices=["", *info.columns], value=info.images),
+                gr.update(choices=["", *info.columns], value=info.videos),
+                gr.update(choices=["", *info.columns], value=info.audios), "files")
 
     def on_val(file):
         if file is None:
@@ -251,7 +269,7 @@ def wire_train(board: Board, c: dict, watch_run) -> None:
 
     c["train_upload"].upload(cleared(on_data), c["train_upload"],
                              [c["train_files"], c["data_message"], c["data_rows"], c["prompt_key"], c["answer_key"],
-                              c["image_key"], c["data_source"], c["train_upload"]])
+                              c["image_key"], c["video_key"], c["audio_key"], c["data_source"], c["train_upload"]])
     c["val_upload"].upload(cleared(on_val), c["val_upload"], [c["val_files"], c["data_message"], c["val_upload"]])
     c["reward_upload"].upload(cleared(on_reward), c["reward_upload"],
                               [c["reward_path"], c["reward_name"], c["reward_message"], c["reward_upload"]])

@@ -24,6 +24,8 @@ STAGES = ("rl", "sft", "dpo", "rm", "rft", "pt")  # the issue names the first fo
 MODEL_SOURCES = ("embedded", "folder", "hub")
 DATA_SOURCES = ("recipe", "files")
 KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+DATA_KEYS = ("prompt_key", "answer_key", "image_key", "video_key", "audio_key")  # form field = data.<same name>
+ROUTED_TEACHER_PATH = re.compile(r"^teachers\.[^.]+\.path$")  # teachers.<name>.path (the YAML's routed teachers)
 
 # The keys a user touches most: (form field, config key). Their help text is the schema's (schema_help.py).
 MAIN_KEYS: dict[str, str] = {
@@ -54,10 +56,16 @@ class TrainForm:
     prompt_key: str = ""
     answer_key: str = ""
     image_key: str = ""
+    video_key: str = ""  # data.video_key: each row's videos (docs/vision.md); "" = the recipe's
+    audio_key: str = ""  # data.audio_key: each row's audios (docs/vision.md); "" = the recipe's
     reward_path: str = ""  # reward_fns/math.py or an uploaded file in the workspace; "" = the recipe's
     reward_name: str = ""
     judge_url: str = ""  # reward.judge.url: an LLM judge's OpenAI-compatible endpoint (docs/judge.md); "" = the recipe's
     judge_model: str = ""  # reward.judge.model: the judge's served name; "" = the recipe's
+    # teacher.path: on-policy distillation's frozen teacher (docs/distillation.md), an HF folder with the student's
+    # tokenizer; the board confines it to the workspace (actions.Board.checked_form); "" = the recipe's
+    teacher_path: str = ""
+    distillation_loss_mode: str = ""  # distillation.loss_mode, one of loss_modes(); "" = the recipe's
     total_steps: int | None = None
     lr: float | None = None
     train_batch_size: int | None = None
@@ -125,10 +133,14 @@ def owned_keys(form: TrainForm) -> set[str]:
         keys.add("model.path")
     if form.data_source == "files":
         keys |= {"data.train_files", "data.val_files", "data.source"}
-    keys |= {f"data.{k}" for k in ("prompt_key", "answer_key", "image_key") if getattr(form, k)}
+    keys |= {f"data.{k}" for k in DATA_KEYS if getattr(form, k)}
     if form.reward_path:
         keys.add("reward.functions")
     keys |= {f"reward.judge.{k}" for k in ("url", "model") if getattr(form, f"judge_{k}").strip()}
+    if form.teacher_path.strip():
+        keys.add("teacher.path")
+    if form.distillation_loss_mode.strip():
+        keys.add("distillation.loss_mode")
     return keys
 
 
@@ -142,7 +154,7 @@ def form_overrides(form: TrainForm) -> list[str]:
     if form.data_source == "files" and form.train_files:
         args.append(override("data.train_files", list(form.train_files)))
         args.append(override("data.val_files", list(form.val_files)))
-    for key in ("prompt_key", "answer_key", "image_key"):
+    for key in DATA_KEYS:
         if getattr(form, key):
             args.append(override(f"data.{key}", getattr(form, key)))
     if form.reward_path:
@@ -150,11 +162,40 @@ def form_overrides(form: TrainForm) -> list[str]:
     for key in ("url", "model"):  # an LLM judge in the loop (a rubric, pattern, ... in the YAML)
         if getattr(form, f"judge_{key}").strip():
             args.append(override(f"reward.judge.{key}", getattr(form, f"judge_{key}").strip()))
+    if form.teacher_path.strip():  # on-policy distillation (docs/distillation.md); the rest of teacher: in the YAML
+        args.append(override("teacher.path", form.teacher_path.strip()))
+    if form.distillation_loss_mode.strip():
+        args.append(override("distillation.loss_mode", form.distillation_loss_mode.strip()))
     for name, key in MAIN_KEYS.items():
         value = getattr(form, name)
         if value not in (None, ""):
             args.append(override(key, value))
     return args
+
+
+def loss_modes() -> tuple[str, ...]:
+    """distillation.loss_mode's choices, read from the schema (rlframe/config/teacher.py LOSS_MODES, what its one_of
+    check accepts: k1, the advantage term, and the loss terms of rlframe/algos/distillation.py's registry)."""
+    from rlframe.config.teacher import LOSS_MODES
+
+    return tuple(LOSS_MODES)
+
+
+def teacher_paths(form: TrainForm) -> list[tuple[str, str]]:
+    """Every teacher folder the form names, as (key, value): its teacher box, and the editable YAML's teacher.path
+    (when the box is empty) and teachers.<name>.path. The board confines each one (actions.Board.checked_form)."""
+    boxed = bool(form.teacher_path.strip())
+    out = [("teacher.path", form.teacher_path.strip())] if boxed else []
+    try:
+        edited = yaml.safe_load(form.extra_yaml) if form.extra_yaml.strip() else None
+    except yaml.YAMLError:  # (yaml_overrides names the error and its line)
+        edited = None
+    if isinstance(edited, dict):
+        for key, value in flatten(edited).items():
+            wanted = ROUTED_TEACHER_PATH.match(key) or (key == "teacher.path" and not boxed)
+            if wanted and value not in (None, ""):
+                out.append((key, str(value)))
+    return out
 
 
 def train_args(form: TrainForm, run_dir: str | Path, composed: dict | None = None) -> list[str]:

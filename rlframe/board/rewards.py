@@ -83,6 +83,11 @@ def own_frames(text: str) -> str:
     return "\n".join(out) if hidden else text
 
 
+def empty_table() -> pd.DataFrame:
+    """The scores table with no row (what the page shows beside an error)."""
+    return pd.DataFrame(columns=["ground truth", "own answer score", "corrupted answer", "its score"])
+
+
 def try_reward(args: list[str], scratch) -> TryResult:
     """Score own vs corrupted answers with the reward of `args` (the train form's overrides)."""
     from rlframe.board.preview import PREVIEW_LOCK, compose, usage_text
@@ -90,7 +95,7 @@ def try_reward(args: list[str], scratch) -> TryResult:
     from rlframe.main import usage_errors
     from rlframe.trainer.scorer import reward_manager
 
-    empty = pd.DataFrame(columns=["ground truth", "own answer score", "corrupted answer", "its score"])
+    empty = empty_table()
     try:
         with PREVIEW_LOCK:
             cfg, _ = compose(args)

@@ -10,8 +10,10 @@
   `--max-upload-mb`) and are copied into `<workspace>/uploads/` under a cleaned name, checked for what they
   claim to be (`keep_upload`): a reward must be Python that parses and defines a function (read with `ast`,
   never run by the upload), a data file one of the formats the loader reads.
-- The paths Evaluate, Chat and Export read (`confined`) lie inside the workspace or the project's shipped
-  folders (reward_fns/, recipes/, examples/), with no symbolic link on the way or inside a folder.
+- The paths Evaluate, Chat and Export read (`confined`), and the Train tab's teacher folder (teacher.path, and
+  the YAML's teachers.<name>.path: actions.Board.checked_form), lie inside the workspace (Evaluate's data and
+  reward also the project's shipped folders reward_fns/, recipes/, examples/), with no symbolic link on the way
+  or inside a folder.
 - It starts only rlframe's own entry points (ENTRY_POINTS), as an argument list (no shell), each argument a
   `key=value` (or a flag the entry point declares) that `checked_argv` has validated. Preview starts nothing
   (rlframe/board/preview.py); what a launched run starts is that run's configuration.
