@@ -28,6 +28,7 @@ def pure_checks(cfg, run_dir: Path) -> tuple[list[CheckResult], dict | None]:
     from transformers import AutoTokenizer
 
     from rlframe.doctor.data_checks import check_data
+    from rlframe.doctor.media_checks import check_media
     from rlframe.doctor.reward_checks import check_reward_on_answers
     from rlframe.doctor.setup_checks import check_config, check_memory_plan, check_model_folder
     from rlframe.doctor.template_checks import check_template
@@ -54,6 +55,7 @@ def pure_checks(cfg, run_dir: Path) -> tuple[list[CheckResult], dict | None]:
         r.seconds = round((time.perf_counter() - start) / max(len(data_results), 1), 3)
     results += data_results
     results += timed(check_template, cfg, tokenizer, model_path)
+    results += timed(check_media, cfg, tokenizer, model_path, train_set)
     results += timed(check_reward_on_answers, cfg, train_set)
     return results, {"model_path": model_path, "tokenizer": tokenizer, "train_files": train_files, "val_files": val_files}
 
