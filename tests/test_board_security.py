@@ -233,7 +233,7 @@ def test_a_teacher_outside_the_workspace_is_refused(board, tiny_model_dir):
         validation, _, command, _ = call(client, "on_preview", ["teacher-run", *values])
         assert validation.startswith(f"error: the teacher folder '{path}'") and needle in validation, validation
         assert "distillation.loss_mode=k3" in command
-        validation, _, _, message, _ = call(client, "on_launch", ["teacher-run", *values])
+        validation, _, _, _, message, _ = call(client, "on_launch", ["teacher-run", *values])
         assert needle in validation and message.startswith("not started")
     assert not (ws / "runs" / "teacher-run").exists()
 
