@@ -110,7 +110,7 @@ def test_without_user_namespaces_code_rewards_refuse(targets):
     launcher = [python, "-c", textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(CHECKOUT)!r})
-        from rlframe.reward.sandbox import _refuse_new_user_namespaces
+        from rlframe.reward.sandbox_launcher import _refuse_new_user_namespaces
         os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
         _refuse_new_user_namespaces()
         os.execv({python!r}, [{python!r}, *sys.argv[1:]])
