@@ -98,7 +98,7 @@ def test_video_id_pointing_at_another_token_fails_naming_both_ids(vlm_dir, tmp_p
     assert f'"video_token_id": {right}' in ids.fix and str(broken) in ids.fix
     # the probe's prompt holds 1 token of the config's id (the template's <|vision_end|>) for 8 features
     assert placeholder.status == "fail" and f"expands to 1 token of id {wrong}" in placeholder.measured
-    assert "returns 8 features" in placeholder.measured
+    assert "returns 8 features" in placeholder.measured and "media/video_token_id" in placeholder.fix
     # the image id of the same copy is right: its checks still pass
     assert [r.status for r in check_modality("image", cfg, tokenizer, str(broken))] == ["pass", "pass"]
 

@@ -249,12 +249,14 @@ def check_placeholder(modality: Modality, cfg: RLConfig, tokenizer, model_path: 
     expected, rule = model_feature_counts(modality, config, inputs)
     found = ids.count(config_id)
     window = raw[max(raw.index(modality.token) - 40, 0): raw.index(modality.token) + len(modality.token) + 20]
-    measured = (f"{modality.placeholder} renders as ...{window!r}...; a {what} expands to {found} "
-                f"token{'s' * (found != 1)} of id {config_id}, the model's encoder returns {sum(expected)} features "
-                f"({rule})")
+    rendered = f"{modality.placeholder} renders as ...{window!r}..."
+    measured = (f"a {what} expands to {found} token{'s' * (found != 1)} of id {config_id}, the model's encoder "
+                f"returns {sum(expected)} features ({rule})")
     if found != sum(expected):
-        return failed(GROUP, name, measured + f": the model's forward fails (or misplaces the {modality.name}) on "
-                                              "every such prompt",
+        return failed(GROUP, name, f"{measured}: the model's forward fails (or misplaces the {modality.name}) on "
+                                   f"every such prompt; {rendered}",
+                      f"config.json's id {config_id} is not the tokenizer's {modality.token!r}: see "
+                      f"{GROUP}/{modality.name}_token_id" if tokenizer.get_vocab().get(modality.token) != config_id else
                       f"rlframe's processor, the tokenizer's {modality.token!r} and config.json must agree: a "
                       f"{modality.family} model folder, unchanged")
     index = first_row(dataset, modality)
@@ -262,13 +264,15 @@ def check_placeholder(modality: Modality, cfg: RLConfig, tokenizer, model_path: 
         row = dataset.rows[index]
         row_expected, row_rule = model_feature_counts(modality, config, dataset[index]["multi_modal_inputs"])
         row_found = list(row["input_ids"]).count(config_id)
-        where = f"row {index} of {row['file']} ({len(row[modality.column])} {modality.name}(s))"
+        items = f"{len(row[modality.column])} {modality.name}(s)"
         if row_found != sum(row_expected):
-            return failed(GROUP, name, f"{where}: {row_found} tokens of id {config_id} in its prompt, the model's "
-                                       f"encoder returns {sum(row_expected)} features ({row_rule})",
+            return failed(GROUP, name, f"row {index} of {row['file']} ({items}): {row_found} tokens of id {config_id} "
+                                       f"in its prompt, the model's encoder returns {sum(row_expected)} features "
+                                       f"({row_rule})",
                           f"one {modality.placeholder} per {modality.name} in the prompt text, nothing else writing "
                           f"{modality.token!r}")
-        measured += f"; {where}: {row_found} = {sum(row_expected)}"
+        measured += f"; row {index} of {Path(row['file']).name} ({items}): {row_found} = {sum(row_expected)}"
+    measured += f"; {rendered}"
     return passed(GROUP, name, measured)
 
 
