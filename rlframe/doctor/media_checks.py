@@ -181,12 +181,19 @@ def build_processor(modality: Modality, cfg: RLConfig, tokenizer, model_path: st
                            video_max_pixels=d.video_max_pixels)
 
 
-def audio_output_lengths(frames):
-    """Qwen2-Audio's encoder: tokens for each audio's mel frames (transformers' own rule)."""
+def audio_output_lengths(frames: list[int]) -> list[int]:
+    """Qwen2-Audio's encoder: tokens for each audio's mel frames (transformers' own rule; rlframe's
+    audio_token_count where that transformers lacks it)."""
     import torch
-    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 
-    _, out = Qwen2AudioEncoder._get_feat_extract_output_lengths(None, torch.as_tensor(frames))
+    try:
+        from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+
+        _, out = Qwen2AudioEncoder._get_feat_extract_output_lengths(None, torch.as_tensor(frames))
+    except (ImportError, AttributeError):
+        from rlframe.data.audio import audio_token_count
+
+        return [audio_token_count(int(n)) for n in frames]
     return [int(n) for n in torch.as_tensor(out).reshape(-1).tolist()]
 
 
