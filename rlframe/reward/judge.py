@@ -322,7 +322,8 @@ def refused(url: str, status: int, model: str) -> str:
 
 
 class EngineJudge:
-    """The judge model on its own rollout engine: one Ray actor (`RolloutWorker`, vLLM or HF generate)."""
+    """The judge model on its own rollout engine: one Ray actor (`RolloutWorker`, vLLM or HF generate), asleep
+    between batches (vLLM: its KV cache released; on GPU its weights in host memory too)."""
 
     def __init__(self, rollout_settings, tokenizer, timeout_s: float):
         import ray
@@ -330,7 +331,7 @@ class EngineJudge:
         from rlframe.workers.roles.rollout import RolloutWorker
 
         self.tokenizer, self.timeout_s = tokenizer, timeout_s
-        self.actor = ray.remote(num_cpus=0)(RolloutWorker).remote(rollout_settings)
+        self.actor = ray.remote(num_cpus=0)(RolloutWorker).remote(rollout_settings, shares_devices=True)
         self.max_prompt = rollout_settings.max_model_len - rollout_settings.validation.max_new_tokens
 
     def generate(self, prompts: list[str]) -> list[str]:
@@ -349,6 +350,7 @@ class EngineJudge:
                                              "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
                                     meta_info={"validate": True})
         out = ray.get(self.actor.generate_sequences.remote(batch), timeout=self.timeout_s)
+        self.actor.sleep.remote()  # its memory back until the next batch, which wakes it (the actor runs calls in order)
         responses, rmask = out.batch["responses"], out.batch["response_mask"]
         return self.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, rmask)],
                                            skip_special_tokens=True)

@@ -28,14 +28,16 @@ from rlframe.workers.weight_broadcast import WeightReceiver, make_process_group,
 class RolloutWorker:
     """One rollout engine of the disaggregated rollout pool."""
 
-    def __init__(self, settings: RolloutSettings, weight_sync_timeout_s: float = 600.0):
+    def __init__(self, settings: RolloutSettings, weight_sync_timeout_s: float = 600.0, shares_devices: bool = False):
+        """`shares_devices`: the engine shares its devices with other roles (an LLM judge's engine beside the
+        trainer), so it may sleep between uses (`sleep`); an engine of the disaggregated pool never sleeps."""
         self.settings = settings
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.profile = settings.device.profile()
         seed_everything(settings.seed + _rank())
         self.tp = tensor_parallel_group(settings)  # ranks sharing one engine (rollout.tensor_parallel_size)
         start = time.perf_counter()
-        self.rollout = build_rollout_engine(settings, self.profile, _rank(), shares_devices=False)
+        self.rollout = build_rollout_engine(settings, self.profile, _rank(), shares_devices=shares_devices)
         self.startup_times = {"engine_init": time.perf_counter() - start}  # the start-up profile (WorkerHost.init_roles)
         self.rollout_engine = self.profile.rollout_engine
         self.receiver: WeightReceiver | None = None
@@ -56,6 +58,15 @@ class RolloutWorker:
     def describe(self) -> dict:
         return {"rank": _rank(), "pid": os.getpid(), "engine": self.rollout_engine, "device": self.profile.device,
                 "dtype": str(self.profile.dtype), "node_id": ray.get_runtime_context().get_node_id()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self) -> dict:
+        """Release the engine's memory until its next generation, keeping its weights (an engine used now and then,
+        e.g. an LLM judge's between steps): the KV cache (on GPU, vLLM's level-1 sleep also moves the weights to host
+        memory); the next generate_sequences wakes it. An engine without sleep (HF generate) stays as it is."""
+        if hasattr(self.rollout, "sleep"):
+            self.rollout.sleep(discard_weights=False)
+        return {"asleep": sorted(getattr(self.rollout, "asleep_tags", ()))}
 
     @register(Dispatch.ONE_TO_ALL)
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, specs: list,
