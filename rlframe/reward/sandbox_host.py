@@ -1,7 +1,7 @@
 """The host side of the sandbox (sandbox.py): what the parent process asks of the machine.
 
 `allow_list` (the files the program's root is built from), the namespace probe, the uid map, and finding
-and killing every process of a per-execution uid. The launcher (sandbox.py run as a script with
+and killing every process of a per-execution uid. The launcher (sandbox_launcher.py run as a script with
 ``-I -S``) imports none of this: it gets the allow-list in its configuration.
 """
 
