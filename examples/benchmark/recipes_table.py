@@ -28,8 +28,10 @@ HEADER = ("| recipe | stage | steps | val reward before -> after | val accuracy 
           "commit | date |")
 INTRO = """# Results
 
-Every shipped recipe at its CPU scale on the embedded default model (a 2-core CPU machine), written by
-`python examples/benchmark/recipes_table.py` (one row per recipe; rows of recipes not re-run are kept).
+Shipped recipes at their CPU scale on the embedded default model (a 2-core CPU machine), written by
+`python examples/benchmark/recipes_table.py` (one row per recipe run; rows of recipes not re-run are kept).
+A recipe without a row runs end to end in CI on a tiny model (`tests/test_recipes.py`), which checks that it
+runs, not what it learns.
 Validation is greedy on the recipe's held-out prompts; the interval is the 95% percentile bootstrap over
 those prompts that validation logs as `val/accuracy_ci_low` / `_ci_high` (rlframe/trainer/validation.py).
 A row whose run predates those keys has no interval. The main job's row (`grpo_math`) is checked in CI
@@ -108,12 +110,15 @@ def existing_rows(path: Path) -> dict[str, str]:
 
 
 def existing_notes(path: Path) -> list[str]:
-    """The notes under the table (lines starting with "- "), kept when the table is rewritten."""
+    """The notes under the table (lines starting with "- ", up to the first later section), kept when the table is
+    rewritten (a later section's own list stays in that section)."""
     if not path.is_file():
         return []
     table_seen = False
     notes = []
     for line in path.read_text().splitlines():
+        if table_seen and line.startswith("## "):
+            break
         table_seen = table_seen or line.startswith("| recipe")
         if table_seen and line.startswith("- "):
             notes.append(line)
