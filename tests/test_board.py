@@ -12,6 +12,8 @@ answering from the exported model; the Chinese labels.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import socket
 import time
@@ -230,6 +232,22 @@ def set_value(page, selector: str, value: str) -> None:
     box.press("Tab") if page.locator(f"{selector} textarea").count() == 0 else box.blur()
 
 
+@contextlib.contextmanager
+def board_page(browser, app, tmp_path):
+    """A browser page for the served board `app`: on a failure its screenshot (<tmp_path>/failure.png, named in
+    the output); the page and the board closed after."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        yield page
+    except BaseException:
+        page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+        print(f"screenshot of the page at the failure: {tmp_path / 'failure.png'}")
+        raise
+    finally:
+        page.close()
+        app.close()
+
+
 def test_board_in_a_browser(browser, tmp_path, tiny_model_dir, monkeypatch):
     from rlframe.board.__main__ import parse, serve
     from rlframe.board.tools import ChatModel
@@ -238,8 +256,7 @@ def test_board_in_a_browser(browser, tmp_path, tiny_model_dir, monkeypatch):
     ws = tmp_path / "ws"
     port = free_port()
     app, login_url = serve(parse(["--port", str(port), "--workspace", str(ws)]), block=False)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    try:
+    with board_page(browser, app, tmp_path) as page:
         page.goto(login_url)  # the printed URL: its token sets the session cookie, then the page
         page.wait_for_selector("#preview")
         for name, text in (("not_python.txt", "hello"), ("raises.py", RAISING_REWARD), ("slow.py", SLOW_REWARD),
@@ -353,10 +370,3 @@ def test_board_in_a_browser(browser, tmp_path, tiny_model_dir, monkeypatch):
         page.click("#language input")
         page.get_by_role("option", name="zh").click()
         page.get_by_role("tab", name="训练").wait_for(timeout=10000)
-    except BaseException:
-        page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-        print(f"screenshot of the page at the failure: {tmp_path / 'failure.png'}")
-        raise
-    finally:
-        page.close()
-        app.close()

@@ -202,7 +202,7 @@ def test_a_teacher_in_the_workspace_is_previewed_with_mains_checks(board, tiny_m
 
 
 def test_the_page_proposes_media_columns_and_refuses_an_outside_teacher(browser, tmp_path, monkeypatch):
-    from test_board import free_port, set_value, text_of, upload, wait_text
+    from test_board import board_page, free_port, set_value, text_of, upload, wait_text
 
     from rlframe.board.__main__ import parse, serve
 
@@ -210,8 +210,7 @@ def test_the_page_proposes_media_columns_and_refuses_an_outside_teacher(browser,
     ws, port = tmp_path / "ws", free_port()
     media_parquet(tmp_path / "media.parquet")
     app, url = serve(parse(["--port", str(port), "--workspace", str(ws)]), block=False)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    try:
+    with board_page(browser, app, tmp_path) as page:
         page.goto(url)
         page.wait_for_selector("#preview")
         page.click("#data_box")
@@ -228,10 +227,3 @@ def test_the_page_proposes_media_columns_and_refuses_an_outside_teacher(browser,
         page.get_by_role("option", name="zh").click()
         page.get_by_text("视频列").first.wait_for(timeout=10000)
         page.get_by_text("教师模型目录").first.wait_for(timeout=10000)
-    except BaseException:
-        page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-        print(f"screenshot of the page at the failure: {tmp_path / 'failure.png'}")
-        raise
-    finally:
-        page.close()
-        app.close()
