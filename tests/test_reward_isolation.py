@@ -65,6 +65,37 @@ def test_import_check_kills_what_the_import_started_and_remembers_a_good_file(tm
     assert check_reward_imports(cfg) == []
 
 
+def test_the_import_check_dies_with_a_killed_driver(tmp_path):
+    """The check runs in a session of its own (so that its timeout can kill its group); a driver SIGKILLed while it
+    waits must not leave it importing a blocking file (before: it lived on until the import ended)."""
+    import signal
+    import subprocess
+    import sys
+
+    blocks = write(tmp_path, "blocks.py", "import time\ntime.sleep(1000)\n" + SCORE)
+    driver = subprocess.Popen([sys.executable, "-c", "from rlframe.reward.loader import import_problem\n"
+                               f"import_problem({str(blocks)!r}, 600.0)"])
+    deadline, check = time.monotonic() + 60, None
+    while check is None and time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            command = _cmdline(entry) if entry.name.isdigit() else ""
+            if "rlframe_reward_import_check" in command and str(blocks) in command:
+                check = int(entry.name)
+        time.sleep(0.1)
+    assert check is not None, "the import check did not start"
+    time.sleep(0.5)  # (past its first lines)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    assert not _alive(check), "the import check outlived its driver"
+
+
+def _cmdline(entry: Path) -> str:
+    try:
+        return (entry / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _alive(pid: int, wait_s: float = 5.0) -> bool:
     """Whether `pid` still runs (not a zombie) after up to `wait_s` seconds."""
     deadline = time.monotonic() + wait_s

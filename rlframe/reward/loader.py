@@ -122,9 +122,18 @@ _IMPORTED_OK = "imported"
 _IMPORT_RAISED = "raised"
 # The child: import the file as _import_file does (its folder appended to sys.path), then report on fd 3,
 # which only this code writes to (the file may print whatever it likes on stdout / stderr).
+# It dies with the process that started it (PR_SET_PDEATHSIG, where Linux offers it): in a session of its own, a
+# check whose driver was killed went on until its import ended, if ever.
 _IMPORT_CHILD = r"""
-import importlib.util, os, sys
-report, path = int(sys.argv[1]), sys.argv[2]
+import importlib.util, os, signal, sys
+report, path, parent = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != parent:  # the driver died before the line above
+    os._exit(1)
 sys.path.append(os.path.dirname(path))
 spec = importlib.util.spec_from_file_location("rlframe_reward_import_check", path)
 module = importlib.util.module_from_spec(spec)
@@ -180,7 +189,7 @@ def import_problem(path: str | Path, timeout_s: float = IMPORT_TIMEOUT_S) -> str
     with tempfile.TemporaryFile() as output:
         try:
             # stdin: a pipe nobody writes to, so that an input() at import blocks here as it would in the driver
-            process = subprocess.Popen([sys.executable, "-c", _IMPORT_CHILD, str(write_end), str(path)],
+            process = subprocess.Popen([sys.executable, "-c", _IMPORT_CHILD, str(write_end), str(path), str(os.getpid())],
                                        stdin=subprocess.PIPE, stdout=output, stderr=output, env=env,
                                        pass_fds=(write_end,), start_new_session=True)
         except OSError as error:

@@ -1,0 +1,82 @@
+"""The tests' forked runs (tests/fork_runner.py) behave as `python -m rlframe.main` in a fresh interpreter: the same
+stdout, stderr and exit status, from the request's working directory, environment and arguments; a run that
+outlives its timeout is killed with its process group; an environment a preloaded library would read differently
+is not forked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO_ROOT, RUN_ENV
+from fork_runner import ForkServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ForkServer(RUN_ENV)
+    yield server
+    server.close()
+
+
+def fresh(args: list[str], cwd, env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlframe.main", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_forked_run_prints_and_exits_as_a_fresh_interpreter(server, tmp_path):
+    (tmp_path / "mine.yaml").write_text((REPO_ROOT / "recipes" / "grpo_math.yaml").read_text())
+    env = {**RUN_ENV, "RLFRAME_RUNS_DIR": str(tmp_path / "runs")}
+    cases = [["--help"],                                               # usage, exit 0
+             ["recipe=mine.yaml", "--cfg", "job", "actor.optim.lr=0.5"],  # a recipe found from the working directory
+             ["recipe=no_such_recipe"],                                # a usage error: one screen, exit 1
+             ["recipe=grpo_math", "actor.no_such_key=1"],              # a key error naming the key
+             ["recipe=grpo_math", "rollout.n=1"]]                      # a validation error (before any run folder)
+    for args in cases:
+        forked, expected = server.run(args, tmp_path, env, timeout=120), fresh(args, tmp_path, env)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (expected.returncode, expected.stdout,
+                                                                     expected.stderr), args
+    assert "lr: 0.5" in server.run(cases[1], tmp_path, env, timeout=120).stdout
+    assert [fresh(c, tmp_path, env).returncode for c in cases[2:]] == [1, 1, 1]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_process_group(server, tmp_path):
+    """A reward file that, imported by the driver itself (not by its import check, in a session of its own), starts
+    a child and blocks: the timeout kills the driver and that child (the run's process group)."""
+    marker = tmp_path / "child.pid"
+    (tmp_path / "hang.py").write_text(
+        "import subprocess, sys, time\n"
+        "if __name__ != 'rlframe_reward_import_check':\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"    open({str(marker)!r}, 'w').write(str(child.pid))\n"
+        "    time.sleep(600)\n"
+        "def compute_score(**kw): return 0.0\n")
+    args = ["recipe=grpo_math", f"reward.functions=[{{path: {tmp_path / 'hang.py'}, name: compute_score}}]"]
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.run(args, tmp_path, RUN_ENV, timeout=20)
+    assert time.monotonic() - start < 60
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while _state(child) not in ("gone", "Z") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _state(child) in ("gone", "Z"), "the run's child outlived the timeout"
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_an_environment_read_at_import_is_not_forked(server):
+    assert server.forkable(dict(RUN_ENV))
+    assert server.forkable({**RUN_ENV, "RLFRAME_CACHE": "/elsewhere"})  # read by rlframe when a run asks
+    assert not server.forkable({**RUN_ENV, "RAY_ADDRESS": "auto"})
+    assert not server.forkable({**RUN_ENV, "OMP_NUM_THREADS": "7"})
+    assert not server.forkable({**RUN_ENV, "PYTHONPATH": "/somewhere/else"})
