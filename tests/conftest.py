@@ -65,9 +65,27 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def run_main(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `python -m rlframe.main ARGS` as a user would, in its own process."""
+# The environment the tests started with, plus what every run gets: the fork server's (tests/fork_runner.py).
+RUN_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+# RLFRAME_TESTS_FORK=0: every run in a fresh interpreter.
+FORKED_RUNS = os.environ.get("RLFRAME_TESTS_FORK", "1") != "0"
+_fork_server = None
+
+
+def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter: bool = False
+             ) -> subprocess.CompletedProcess:
+    """Run `python -m rlframe.main ARGS` as a user would, in its own process: forked from a process that already
+    imported the driver's libraries (tests/fork_runner.py), or with `fresh_interpreter` (or an environment that
+    changes what those libraries read at import) in a new interpreter."""
+    global _fork_server
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    if FORKED_RUNS and not fresh_interpreter:
+        from fork_runner import ForkServer
+
+        if _fork_server is None or _fork_server.process.poll() is not None:
+            _fork_server = ForkServer(RUN_ENV)
+        if _fork_server.forkable(env):
+            return _fork_server.run(args, cwd, env, timeout)
     return subprocess.run([sys.executable, "-m", "rlframe.main", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
