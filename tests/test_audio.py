@@ -108,7 +108,7 @@ def test_verl_and_llamafactory_layouts_read_unchanged(tmp_path, tokenizer):
     # ((f - 1) // 2 + 1 - 2) // 2 + 1 tokens: 100 -> 25, 70 -> 17, 50 -> 12
     assert [audio_token_count(f) for f in (100, 70, 50)] == [25, 17, 12]
     assert [ds[i]["input_ids"].count(audio_pad) for i in range(3)] == [25, 17, 37]
-    assert ds[0]["multi_modal_inputs"]["input_features"].shape == (1, 128, 400)  # padded to the 4 s window
+    assert ds[0]["multi_modal_inputs"]["input_features"].shape == (1, 128, 3000)  # padded to the 30 s window
     data = ds[2]["multi_modal_data"]["audio"]
     assert [(len(x), rate) for x, rate in data] == [(16000, 16000), (8000, 16000)]  # resampled once, kept
     assert ds.num_audios == 4 and ds.audio_decode_seconds > 0
@@ -149,11 +149,11 @@ def test_processor_token_count_matches_the_models_features(audio_dir, tokenizer,
     ("bad.wav", r"a.(parquet|jsonl), row 1: field 'audios\[0\]': cannot decode the audio \(.*bad.wav\)"),
     ({"array": [0.1, 0.2]}, r"row 1: field 'audios\[0\]': an \{'array': ...\} audio needs a positive 'sampling_rate'"),
     ("short.wav", r"row 1: field 'audios\[0\]': the audio lasts 0.050 s, too short for 2 audio tokens"),
-    ("long.wav", r"row 1: field 'audios\[0\]': the audio lasts 5.00 s, longer than the model's window of 4 s"),
+    ("long.wav", r"row 1: field 'audios\[0\]': the audio lasts 31.00 s, longer than the model's window of 30 s"),
 ])
 def test_bad_audios_named_by_file_row_and_field(tmp_path, tokenizer, audio, match):
     write_wav(tmp_path / "ok.wav", tone(440.0, 0.5, 16000), 16000)
-    write_wav(tmp_path / "long.wav", tone(440.0, 5.0, 8000), 8000)
+    write_wav(tmp_path / "long.wav", tone(440.0, 31.0, 8000), 8000)
     write_wav(tmp_path / "short.wav", tone(440.0, 0.05, 16000), 16000)
     (tmp_path / "bad.wav").write_bytes(b"RIFF....WAVE" + b"\0" * 100)
     rows = [audio_row("<audio>?", ["ok.wav"]), audio_row("<audio>?", [audio])]

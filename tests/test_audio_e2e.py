@@ -2,7 +2,9 @@
 tiny random Qwen2-Audio (HF rollout, Ray, the update, the weight sync): a verl-layout parquet (``audios:
 [path]`` to 8 kHz .wav files, a chat-list prompt with ``<audio>``, reward_model.ground_truth) and the same rows
 with the audio inline (``audios: [{"array": [...], "sampling_rate": 8000}]``).
-The recipe itself (generated tones) runs in tests/test_recipes.py -k grpo_audio_tones.
+The recipe itself (generated tones, vLLM where installed) runs in tests/test_recipes.py -k grpo_audio_tones;
+this file keeps the HF rollout (`rollout.engine=hf`) so that its audio path stays tested where vLLM is
+installed too; tests/test_audio_vllm.py runs the vLLM rollout explicitly.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from conftest import REPO_ROOT, read_metrics, run_main
 LENGTH_REWARD = "reward.functions=[{path: " + str(REPO_ROOT / "tests" / "length_reward.py") + ", name: compute_score}]"
 RUN = ["recipe=grpo_audio_tones", "trainer.total_steps=2", "data.max_response_length=8", "data.train_batch_size=2",
        "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=4", "rollout.n=2", "data.val_max_samples=2",
-       "trainer.num_cpus=4", LENGTH_REWARD, "actor.optim.lr=1e-3"]
+       "trainer.num_cpus=4", LENGTH_REWARD, "actor.optim.lr=1e-3", "rollout.engine=hf"]
 
 
 @pytest.fixture(scope="module")

@@ -169,17 +169,17 @@ def test_audio_encoder_parameters_match_the_tiny_qwen2_audio():
 
     config = tiny_audio_config(build_tokenizer())
     shape = ModelShape.from_hf_config(config.to_dict())
-    # d 32, ffn 64, 2 layers, 128 mel bins, 200 positions, text hidden 64:
-    # convolutions 128*3*32 + 32 + 3*32*32 + 32 and the position table 200*32 = 21824;
+    # d 32, ffn 64, 2 layers, 128 mel bins, 1500 positions (30 s), text hidden 64:
+    # convolutions 128*3*32 + 32 + 3*32*32 + 32 and the position table 1500*32 = 63424;
     # a layer 4*32^2 + 3*32 (attention) + 4*32 (norms) + 2*32*64 + 64 + 32 (MLP) = 8512, two: 17024;
     # the final norm 64; the projector 32*64 + 64 = 2112
-    assert shape.audio_params == 21824 + 17024 + 64 + 2112 == 41024
-    assert (shape.audio_hidden, shape.audio_ffn, shape.audio_layers, shape.audio_positions) == (32, 64, 2, 200)
-    assert shape.audio_tokens_per_window == 100  # 4 s: (200 - 2) // 2 + 1
-    model = Qwen2AudioForConditionalGeneration(config).model
+    assert shape.audio_params == 63424 + 17024 + 64 + 2112 == 82624
+    assert (shape.audio_hidden, shape.audio_ffn, shape.audio_layers, shape.audio_positions) == (32, 64, 2, 1500)
+    assert shape.audio_tokens_per_window == 750  # 30 s: (1500 - 2) // 2 + 1
+    model = Qwen2AudioForConditionalGeneration(config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    assert shape.audio_params == count(model.audio_tower) + count(model.multi_modal_projector) == 38912 + 2112
-    assert shape.params == count(model)  # the language model (its LM head tied to the embedding) + the audio encoder
+    assert shape.audio_params == count(model.model.audio_tower) + count(model.model.multi_modal_projector) == 80512 + 2112
+    assert shape.params == count(model)  # the language model (its LM head apart from the embedding) + the audio encoder
 
 
 AUDIO_TOY = ModelShape(params=2**27, layers=4, hidden=256, intermediate=512, vocab=4096, heads=4, kv_heads=4,

@@ -33,6 +33,7 @@ from rlframe.protocol import DataProto
 from rlframe.workers.host_pages import release_host_pages
 from rlframe.protocol import build_rollout_batch
 from rlframe.workers.rollout.base import unpadded_prompts
+from rlframe.workers.rollout.vllm_weight_names import folder_needs_renaming, iter_folder_weights, vllm_name_mapper
 from rlframe.workers.settings import LoraSettings, SamplingSettings
 from rlframe.workers.weight_broadcast import checksums_of, tensor_checksum
 
@@ -40,9 +41,11 @@ logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
-def _reload_weights(worker, weights, checksum: bool = False) -> tuple[int, dict, dict]:
+def _reload_weights(worker, weights, checksum: bool = False, rename=None) -> tuple[int, dict, dict]:
     """Runs inside vLLM's worker. The engine is in this process, so `weights` arrives as the very
     iterator the trainer passed (not a copy): tensors stream through one at a time, never all at once.
+    `rename` (workers/rollout/vllm_weight_names.py): the trainer's name -> the engine's, for a model class
+    that does not map names itself; checksums stay under the trainer's names.
     Returns (tensors loaded, and with `checksum` each received tensor's sampled checksum and shape)."""
     count, sums, shapes = 0, {}, {}
 
@@ -52,21 +55,23 @@ def _reload_weights(worker, weights, checksum: bool = False) -> tuple[int, dict,
             count += 1
             if checksum:
                 sums[name], shapes[name] = tensor_checksum(tensor), tuple(tensor.shape)
-            yield name, tensor
+            yield (rename(name) if rename is not None else name), tensor
 
     worker.model_runner.reload_weights(weights_iterator=counted())
     return count, sums, shapes
 
 
-def _read_checksums(worker, shapes: dict) -> dict:
+def _read_checksums(worker, shapes: dict, rename=None) -> dict:
     """Runs inside vLLM's worker: the sampled checksums of the engine's own parameters, read back, for those under
-    a trainer name (`shapes`: name -> the trainer's shape) that still hold their values in that shape (the
-    vocabulary's rows may be padded). Fused (qkv_proj, gate_up_proj), tensor-parallel shards and, on CPU, linear
-    weights repacked for oneDNN (left empty) cannot be compared this way."""
+    a trainer name (`shapes`: name -> the trainer's shape; `rename`: that name -> the engine's, where they differ)
+    that still hold their values in that shape (the vocabulary's rows may be padded). Fused (qkv_proj,
+    gate_up_proj), tensor-parallel shards and, on CPU, linear weights repacked for oneDNN (left empty) cannot be
+    compared this way."""
     out = {}
-    for name, param in worker.model_runner.get_model().named_parameters():
-        shape = shapes.get(name)
-        if shape is None or param.numel() == 0:
+    params = dict(worker.model_runner.get_model().named_parameters())
+    for name, shape in shapes.items():
+        param = params.get(rename(name) if rename is not None else name)
+        if param is None or param.numel() == 0:
             continue
         data = param.data
         if tuple(data.shape) != tuple(shape):
@@ -142,6 +147,72 @@ def collapse_image_tokens(ids: list[int], image_token_id: int) -> list[int]:
     return [t for k, t in enumerate(ids) if t != image_token_id or k == 0 or ids[k - 1] != image_token_id]
 
 
+def audio_token_ids(hf_config, tokenizer) -> list[int]:
+    """Qwen2-Audio's tokens that a response must never hold: the audio pad (`<|AUDIO|>`, one per audio feature)
+    and the audio's begin / end marks. A sampled one would ask the trainer's forward for an audio that is not
+    there (the HF rollout suppresses the same three)."""
+    pad = getattr(hf_config, "audio_token_id", None)
+    if pad is None:
+        pad = hf_config.audio_token_index
+    vocab = tokenizer.get_vocab()
+    return [int(pad)] + [vocab[t] for t in ("<|audio_bos|>", "<|audio_eos|>") if t in vocab]
+
+
+class SamplingWithout(torch.nn.Module):
+    """vLLM's top-k / top-p sampler (`Sampler.topk_topp_sampler`), drawing each token from the distribution with
+    `token_ids` removed while the log-probs it returns stay those of the whole distribution.
+
+    Why not vLLM's own `logit_bias` / `allowed_token_ids`: its sampler applies them before it computes the
+    processed log-probs, so the recorded log-prob of every sampled token would be renormalised over the allowed
+    tokens, off the trainer's (which sees the whole vocabulary) by -log(1 - P(removed tokens)): an estimated 0.0075
+    on the near-uniform tiny model (3 of its 400 tokens), against a tolerance of 1e-4. Here the log-probs are computed first, as vLLM's sampler computes
+    them (temperature, then top-k / top-p), and the removed tokens are masked only for the draw: what the HF
+    rollout does (`suppress_tokens`, log-probs from the raw logits)."""
+
+    def __init__(self, sampler: torch.nn.Module, token_ids: list[int]):
+        super().__init__()
+        self.sampler = sampler
+        self.token_ids = torch.tensor(token_ids, dtype=torch.long)
+
+    def forward(self, logits: torch.Tensor, generators, k, p):
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        whole = apply_top_k_top_p(logits.clone(), k, p).log_softmax(dim=-1, dtype=torch.float32)
+        sampled, _ = self.sampler(without_tokens(logits, self.token_ids), generators, k, p)
+        return sampled, whole
+
+
+def without_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`logits` with the columns of `token_ids` set to -inf (a new tensor)."""
+    return logits.index_fill(-1, token_ids.to(logits.device), float("-inf"))
+
+
+def _never_sample(worker, token_ids: list[int]) -> None:
+    """Runs inside vLLM's worker: its sampler never draws `token_ids`, greedy or random, and still reports the
+    log-probs of the whole distribution (`SamplingWithout`; vLLM's greedy path computes its log-probs from the
+    logits it is given, before `greedy_sample`). Written for the `processed_logprobs` mode this rollout asks for."""
+    sampler = worker.model_runner.sampler
+    if sampler.logprobs_mode != "processed_logprobs":
+        raise RuntimeError(f"vLLM's sampler records {sampler.logprobs_mode}; the audio-token ban expects "
+                           "processed_logprobs (VLLMRollout sets it)")
+    if isinstance(sampler.topk_topp_sampler, SamplingWithout):
+        return
+    sampler.topk_topp_sampler = SamplingWithout(sampler.topk_topp_sampler, token_ids)
+    greedy, removed = sampler.greedy_sample, torch.tensor(token_ids, dtype=torch.long)
+    sampler.greedy_sample = lambda logits: greedy(without_tokens(logits, removed))
+
+
+def audio_requests(requests: list[dict], audio_rows, audio_token_id: int) -> None:
+    """Qwen2-Audio rows for vLLM: each request whose row has audio gets `multi_modal_data={"audio": [(waveform,
+    rate), ...]}` (rlframe/data/dataset.py: float32 at the feature extractor's rate, so vLLM resamples nothing)
+    and its prompt with each run of `<|AUDIO|>` collapsed to one, as the chat template wrote it: vLLM's processor
+    expands it again from the audio, to the same count (both from the feature attention mask)."""
+    for request, data in zip(requests, audio_rows):
+        if data is not None and data.get("audio"):
+            request["prompt_token_ids"] = collapse_image_tokens(request["prompt_token_ids"], audio_token_id)
+            request["multi_modal_data"] = {"audio": list(data["audio"])}
+
+
 def _check_vision_language_support(model_path: str, trust_remote_code: bool) -> None:
     """vLLM's Qwen2-VL model code imports transformers' torchvision image processor: say so up front."""
     import importlib.util
@@ -181,6 +252,16 @@ def rollout_batch_from_outputs(prompts: DataProto, outputs, max_new_tokens: int,
     return build_rollout_batch(prompts, responses, log_probs, max_new_tokens, pad_token_id)
 
 
+def _architectures(model_path: str, trust_remote_code: bool) -> list[str]:
+    """The `architectures` of the model folder's config ([] where it cannot be read: vLLM reports that)."""
+    from transformers import AutoConfig
+
+    try:
+        return list(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).architectures or [])
+    except (OSError, ValueError):
+        return []
+
+
 def _sized_kv_cache_gib(cap_gib: float, model_path: str, max_model_len: int, tp: int, dtype: torch.dtype) -> float:
     """`cap_gib`, or less where the engine's sequences cannot fill it (rlframe/memory_plan.py: cpu_kv_cache_gib)."""
     from rlframe.memory_plan import cpu_kv_cache_gib, read_shape
@@ -194,6 +275,13 @@ def _sized_kv_cache_gib(cap_gib: float, model_path: str, max_model_len: int, tp:
 
 
 class VLLMRollout:
+    # What the model needs beyond a text-only one, set in __init__ from its config: the mapping of the trainer's
+    # weight names to vLLM's (None: vLLM takes transformers' names), the audio pad token (None: no audio), and
+    # whether an encoder's cached outputs must be dropped after a weight load (audio / vision models).
+    rename = None
+    audio_token_id: int | None = None
+    has_encoder = False
+
     def __init__(self, model_path: str, profile: DeviceProfile, *, max_model_len: int, seed: int,
                  pad_token_id: int, gpu_memory_utilization: float = 0.4, cpu_kv_cache_gib: float = 1.0,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
@@ -234,6 +322,12 @@ class VLLMRollout:
 
         if limit_mm_per_prompt and is_vision_language(model_path, trust_remote_code):
             kwargs.update(limit_mm_per_prompt=dict(limit_mm_per_prompt))
+        # A model class of vLLM's that takes other parameter names than transformers' (Qwen2-Audio): the syncs are
+        # renamed, and a folder in transformers 5's layout is streamed in renamed at start (vllm_weight_names.py).
+        self.rename = vllm_name_mapper(_architectures(model_path, trust_remote_code))
+        load_renamed = folder_needs_renaming(model_path, self.rename)
+        if load_renamed:
+            kwargs.update(load_format="dummy")
         if profile.is_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
         else:
@@ -258,9 +352,31 @@ class VLLMRollout:
         # follows and its shutdown unfreezes them all again, so nothing stays out of the collector's reach.
         gc.freeze()
         self.llm = LLM(**kwargs)
+        if load_renamed:
+            self._load_folder_renamed(model_path)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.has_encoder = any(getattr(hf_config, key, None) is not None for key in ("audio_config", "vision_config"))
+        self.audio_token_id = self._audio_setup(hf_config)
         self.asleep_tags: set[str] = set()  # what sleep() released: "weights", "kv_cache"
         self.weights_discarded = False  # slept at level 2: only a full load_weights brings the model back
         self.received: dict[str, tuple[float, float]] = {}  # checksums of what the last sync's loader took
+
+    def _load_folder_renamed(self, model_path: str) -> None:
+        """The model folder's tensors, read one at a time and renamed to the engine's names, into the engine that
+        started with dummy weights (a folder vLLM's loader would refuse, workers/rollout/vllm_weight_names.py)."""
+        loaded, _, _ = self.llm.collective_rpc(_reload_weights,
+                                               args=(iter_folder_weights(model_path), False, self.rename))[0]
+        logger.info("vLLM: %d tensors of %s loaded under vLLM's names", loaded, model_path)
+
+    def _audio_setup(self, hf_config) -> int | None:
+        """An audio-language model (Qwen2-Audio): its sampler never draws the audio tokens (`_never_sample`);
+        returns the audio pad token's id (None for any other model)."""
+        if getattr(hf_config, "audio_config", None) is None or getattr(hf_config, "vision_config", None) is not None:
+            return None
+        token_ids = audio_token_ids(hf_config, self.llm.get_tokenizer())
+        self.llm.collective_rpc(_never_sample, args=(token_ids,))
+        logger.info("vLLM: the sampler never draws the audio tokens %s", token_ids)
+        return token_ids[0]
 
     @property
     def asleep(self) -> bool:
@@ -271,10 +387,19 @@ class VLLMRollout:
         loader records a sampled checksum of each tensor it takes (weight_checksums)."""
         self.wake_up(tags=["weights"])
         loaded, self.received, self.received_shapes = self.llm.collective_rpc(
-            _reload_weights, args=(iter(weights), checksum))[0]
+            _reload_weights, args=(iter(weights), checksum, self.rename))[0]
         self.weights_discarded = False
         self.llm.reset_prefix_cache()
+        if self.has_encoder:
+            self._forget_encoder_outputs()
         return loaded
+
+    def _forget_encoder_outputs(self) -> None:
+        """Drop the audio / image encoder outputs cached under their inputs' hashes, as vLLM asks after a weight
+        update (they were computed with the old weights). The model runner's copy is already gone (reload_weights
+        clears it); the scheduler's record of it is not, and an audio seen again (the same clip in the next step
+        or validation) would be scheduled as cached and fail: "Encoder cache miss"."""
+        self.llm.llm_engine.reset_encoder_cache()
 
     def weight_checksums(self, shapes: dict | None = None) -> dict[str, tuple[float, float]]:
         """Sampled checksums (workers/weight_broadcast.py) under the trainer's names: what the engine's loader took
@@ -284,7 +409,7 @@ class VLLMRollout:
         if self.weights_discarded:  # slept at level 2: nothing to read back until the next load
             return dict(self.received)
         shapes = shapes if shapes is not None else getattr(self, "received_shapes", {})
-        return {**self.received, **self.llm.collective_rpc(_read_checksums, args=(shapes,))[0]}
+        return {**self.received, **self.llm.collective_rpc(_read_checksums, args=(shapes, self.rename))[0]}
 
     def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], checksum: bool = False) -> int:
         """Adapter-only sync: (trainer state-dict key, A or B) -> a peft folder -> a new LoRA id."""
@@ -324,7 +449,9 @@ class VLLMRollout:
         self.wake_up(tags=["weights", "kv_cache"])
         requests = [{"prompt_token_ids": ids} for ids in unpadded_prompts(prompts)]
         images = prompts.non_tensor_batch.get("multi_modal_data")
-        if images is not None:  # vision-language rows: vLLM expands the image/video placeholders itself
+        if images is not None and self.audio_token_id is not None:  # audio rows (Qwen2-Audio)
+            audio_requests(requests, images, self.audio_token_id)
+        elif images is not None:  # vision-language rows: vLLM expands the image/video placeholders itself
             hf_config = self.llm.llm_engine.model_config.hf_config
             for request, data in zip(requests, images):
                 if data is not None:
