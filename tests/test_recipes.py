@@ -184,7 +184,7 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir
     if recipe in ("grpo_vlm_shapes", "grpo_video_shapes"):
         check_vlm_run(run_dir, trained)
     if recipe == "grpo_audio_tones":
-        check_audio_run(run_dir, trained)
+        check_audio_run(run_dir, result.stdout, trained)
     if recipe in ("grpo_feedback_math", "grpo_tool_math"):
         assert "engine=vllm" in result.stdout or not vllm_installed()
         check_multi_turn_run(run_dir, continuous=vllm_installed(), environment=recipe == "grpo_feedback_math")
@@ -243,14 +243,20 @@ def check_vlm_run(run_dir: Path, trained: list[dict]) -> None:
     assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "Qwen2_5_VLForConditionalGeneration"
 
 
-def check_audio_run(run_dir: Path, trained: list[dict]) -> None:
-    """HF rollout and trainer see the same audio features; step 1 moved the weights; the export is a Qwen2-Audio
-    with its feature extractor."""
+def check_audio_run(run_dir: Path, stdout: str, trained: list[dict]) -> None:
+    """The rollout engine (vLLM where installed: the audio as multi_modal_data, the weights under vLLM's names) and
+    the trainer see the same audio: equal log-probs of the sampled tokens at both steps; step 1 moved the weights and
+    the sync carried them into vLLM (checksums read back equal, the engine changed); the export is a Qwen2-Audio with
+    its feature extractor. (tests/test_audio_e2e.py runs the HF engine's audio path.)"""
     for step in trained:
         for key in ("actor/pg_loss", "actor/grad_norm", "rollout/logprob_abs_diff", "actor/kl_loss"):
             assert key in step, (step["step"], key)
         assert step["rollout/logprob_abs_diff"] < 1e-4
     assert trained[0]["actor/grad_norm"] > 0 and trained[1]["actor/kl_loss"] > 0
+    if vllm_installed():
+        assert "engine=vllm" in stdout
+        assert all(step["weight_sync/checksum_unequal"] == 0 for step in trained), trained
+        assert any(step.get("weight_sync/engine_changed") == 1 for step in trained), trained
     export = run_dir / "hf_model"
     from transformers import AutoFeatureExtractor, Qwen2AudioForConditionalGeneration
 
