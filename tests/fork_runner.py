@@ -126,15 +126,10 @@ def _become_the_run(args: list[str], cwd: str, env: dict[str, str], out: str, er
     except BaseException:  # noqa: BLE001  (the interpreter's last resort: the traceback, status 1)
         traceback.print_exc()
     finally:  # then the interpreter's exit: its threads joined, its exit hooks (Ray's shutdown among them) run
-        import atexit
         import threading
 
+        from rlframe.main import exit_now
+
         threading._shutdown()
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        exit_now(code)
 
