@@ -41,11 +41,9 @@ def gpu_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def measured_matmul_tflops(size: int = 1024, trials: int = 5) -> float:
+def measured_matmul_tflops(size: int = 2048, trials: int = 5) -> float:
     """fp32 matmul rate of this process on the CPU (all its threads): the best of a few trials, so
-    that other work on the machine at that moment lowers it less. Every CPU run measures it while its workers
-    start, so it is kept short: at 1024 it takes 0.15 s on our 2 cores (2048: 1.2-1.35 s, ~2.5 CPU-seconds taken
-    from the workers' start) and reads 89-114 GFLOP/s against 97-99 at 2048 (2026-12-07, same machine)."""
+    that other work on the machine at that moment lowers it less."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
     best = float("inf")
