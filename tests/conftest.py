@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -67,9 +68,21 @@ def vllm_installed() -> bool:
 
 # The environment the tests started with, plus what every run gets: the fork server's (tests/fork_runner.py).
 RUN_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+# Set in this process by what the tests import (sklearn: KMP_*; deepspeed, vLLM: PYTORCH_NVML_BASED_CUDA_CHECK;
+# torch's inductor, vLLM: TORCHINDUCTOR_*, TRITON_*, TILELANG_*; ray: RAY_CLIENT_MODE; pygame): no part of the
+# environment a user's command starts with, and each would keep a run from being forked.
+SET_BY_IMPORTS = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
+                  "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING", "TILELANG_CLEANUP_TEMP_FILES",
+                  "RAY_CLIENT_MODE", "PYGAME_HIDE_SUPPORT_PROMPT")
 # RLFRAME_TESTS_FORK=0: every run in a fresh interpreter.
 FORKED_RUNS = os.environ.get("RLFRAME_TESTS_FORK", "1") != "0"
 _fork_server = None
+# A forked run that would start a local Ray cluster of SUITE_CLUSTER_CPUS CPUs (the tiny runs' trainer.num_cpus=4)
+# joins this test process's own instead: one `ray start --head` of those CPUs and the settings rlframe gives a local
+# cluster, started once. RLFRAME_TESTS_SHARED_RAY=0: every run starts its own.
+SUITE_CLUSTER_CPUS = 4
+SHARED_RAY = os.environ.get("RLFRAME_TESTS_SHARED_RAY", "1") != "0"
+_suite_cluster = None
 
 
 def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter: bool = False
@@ -78,16 +91,48 @@ def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter
     imported the driver's libraries (tests/fork_runner.py), or with `fresh_interpreter` (or an environment that
     changes what those libraries read at import) in a new interpreter."""
     global _fork_server
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env = run_env()
     if FORKED_RUNS and not fresh_interpreter:
         from fork_runner import ForkServer
 
         if _fork_server is None or _fork_server.process.poll() is not None:
             _fork_server = ForkServer(RUN_ENV)
         if _fork_server.forkable(env):
-            return _fork_server.run(args, cwd, env, timeout)
+            address = suite_cluster_address(args, env)
+            return _fork_server.run(args, cwd, {**env, "RAY_ADDRESS": address} if address else env, timeout)
     return subprocess.run([sys.executable, "-m", "rlframe.main", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_env() -> dict[str, str]:
+    """The environment of a run: ours now (with what a test set), without what our imports set (SET_BY_IMPORTS)."""
+    return {**{k: v for k, v in os.environ.items() if k not in SET_BY_IMPORTS or k in RUN_ENV},
+            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+
+
+def suite_cluster_address(args: list[str], env: dict[str, str]) -> str | None:
+    """The test process's shared Ray cluster, for a forked run that would otherwise start the same one:
+    trainer.num_cpus=4 (what a local cluster's node and its workers' torch threads are sized by), no cluster address
+    or dashboard of its own, and the fork server's environment (the workers inherit the raylet's, not the run's).
+    None: it starts its own. The run's workers still start fresh, and end with it (Ray ends a job's actors when its
+    driver exits)."""
+    global _suite_cluster
+    cpus = [arg.split("=", 1)[1] for arg in args if arg.startswith("trainer.num_cpus=")]
+    own = ("trainer.ray_address=", "trainer.ray_dashboard=", "trainer.nnodes=")
+    if not SHARED_RAY or cpus[-1:] != [str(SUITE_CLUSTER_CPUS)] or any(arg.startswith(own) for arg in args):
+        return None
+    if _fork_server.differences(env):
+        return None
+    if _suite_cluster is None or any(p.poll() is not None for p in _suite_cluster.processes):
+        from ray_cluster import LocalRayCluster
+
+        from rlframe.controller.cluster import local_cluster_settings
+
+        _suite_cluster = LocalRayCluster([{}], cpus_per_node=SUITE_CLUSTER_CPUS, object_store_bytes=None,
+                                         dashboard=False, env={**RUN_ENV, **local_cluster_settings()},
+                                         in_temp_dir=True).start()
+        atexit.register(_suite_cluster.stop)
+    return _suite_cluster.address
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

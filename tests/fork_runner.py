@@ -34,6 +34,7 @@ from pathlib import Path
 # imported them with the environment it started with).
 IMPORT_TIME_PREFIXES = ("RAY_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_",
                         "KMP_", "VLLM_", "CUDA_", "TOKENIZERS_", "WANDB_", "PYTHON", "LD_")
+READ_LATER = ("RAY_ADDRESS",)  # (read by ray.init)
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -45,12 +46,18 @@ class ForkServer:
                                         text=True, bufsize=1)
         self.path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
+    def differences(self, env: dict[str, str]) -> set[str]:
+        """The variables whose value in `env` is not the one the server started with (PYTHONPATH: when it names a
+        folder outside the server's path)."""
+        paths = {os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p}
+        different = {"PYTHONPATH"} if not paths <= set(self.path) | {str(TESTS_DIR.parent)} else set()
+        return different | {k for k in {*env, *self.env} - {"PYTHONPATH"}
+                            if env.get(k) != self.env.get(k)}
+
     def forkable(self, env: dict[str, str]) -> bool:
         """Every variable a preloaded library reads at import has the value the server started with."""
-        keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONPATH"}
-        paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        return (self.process.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
-                and set(paths) <= set(self.path) | {str(TESTS_DIR.parent)})
+        return self.process.poll() is None and not any(
+            k.startswith(IMPORT_TIME_PREFIXES) and k not in READ_LATER for k in self.differences(env))
 
     def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         """`python -m rlframe.main ARGS` in a forked process (forkable(env) must hold); raises

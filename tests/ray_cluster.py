@@ -38,10 +38,24 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _terminated_with_parent() -> None:
+    """(In the forked child) SIGTERM when the test process that started it dies, even by SIGKILL: `ray start
+    --block` then stops its node, rather than outliving the tests."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class LocalRayCluster:
-    def __init__(self, node_resources: list[dict], cpus_per_node: int = 2, object_store_bytes: int = 150 << 20,
-                 start_timeout_s: float = 180):
+    def __init__(self, node_resources: list[dict], cpus_per_node: int = 2, object_store_bytes: int | None = 150 << 20,
+                 start_timeout_s: float = 180, dashboard: bool = True, env: dict[str, str] | None = None,
+                 in_temp_dir: bool = False):
+        """`object_store_bytes` None: Ray's default size. Without the `dashboard`, a one-node cluster is ready when its
+        `ray start` says so. `env`: what the nodes (and so their workers) start with, instead of ours;
+        `in_temp_dir`: they run in the cluster's temp dir, not in our working directory."""
         self.node_resources = node_resources
+        self.in_temp_dir = in_temp_dir
+        self.dashboard = dashboard
         self.cpus_per_node = cpus_per_node
         self.object_store_bytes = object_store_bytes
         self.start_timeout_s = start_timeout_s
@@ -52,20 +66,28 @@ class LocalRayCluster:
         self.dashboard_port = free_port()
         self.address = f"{self.ip}:{self.port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled"}
+        self.env = {**(os.environ if env is None else env), "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "",
+                    "RAY_AUTH_MODE": "disabled"}
 
     def _start(self, args: list[str], name: str) -> None:
         log = open(Path(self.temp_dir) / f"{name}.log", "w")
         self.processes.append(subprocess.Popen(
-            [RAY, "start", *args, f"--num-cpus={self.cpus_per_node}", f"--object-store-memory={self.object_store_bytes}",
+            [RAY, "start", *args, f"--num-cpus={self.cpus_per_node}",
+             *([f"--object-store-memory={self.object_store_bytes}"] if self.object_store_bytes else []),
              f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
              f"--temp-dir={self.temp_dir}", "--disable-usage-stats", "--block"],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True))
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            cwd=self.temp_dir if self.in_temp_dir else None, preexec_fn=_terminated_with_parent))
 
     def start(self) -> LocalRayCluster:
         head, *others = self.node_resources
-        self._start(["--head", f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                     f"--dashboard-port={self.dashboard_port}", f"--resources={json.dumps(head)}"], "head")
+        dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
+                     if self.dashboard else ["--include-dashboard=false"])
+        self._start(["--head", f"--port={self.port}", *dashboard, f"--ray-client-server-port={free_port()}",
+                     f"--resources={json.dumps(head)}"], "head")
+        if not self.dashboard:
+            assert not others, "a cluster of several nodes is watched through its dashboard"
+            return self._wait_started("head")
         self._wait_nodes(1)
         for i, resources in enumerate(others, start=1):
             self._start([f"--address={self.address}", f"--resources={json.dumps(resources)}"], f"node{i}")
@@ -90,6 +112,18 @@ class LocalRayCluster:
                 last = error
             time.sleep(2)
         raise TimeoutError(f"cluster did not reach {n} nodes in {self.start_timeout_s}s ({last}):\n{self.logs()}")
+
+    def _wait_started(self, name: str) -> LocalRayCluster:
+        """Until `ray start` of node `name` says its node runs."""
+        deadline = time.monotonic() + self.start_timeout_s
+        log = Path(self.temp_dir) / f"{name}.log"
+        while time.monotonic() < deadline:
+            if "Ray runtime started" in log.read_text():
+                return self
+            if self.processes[-1].poll() is not None:
+                raise RuntimeError(f"`ray start` exited with {self.processes[-1].returncode}:\n{self.logs()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"`ray start` did not start in {self.start_timeout_s}s:\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in Path(self.temp_dir).glob("*.log"))

@@ -5,13 +5,14 @@ is not forked."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO_ROOT, RUN_ENV
+from conftest import REPO_ROOT, RUN_ENV, run_env
 from fork_runner import ForkServer
 
 
@@ -77,6 +78,19 @@ def _state(pid: int) -> str:
 def test_an_environment_read_at_import_is_not_forked(server):
     assert server.forkable(dict(RUN_ENV))
     assert server.forkable({**RUN_ENV, "RLFRAME_CACHE": "/elsewhere"})  # read by rlframe when a run asks
-    assert not server.forkable({**RUN_ENV, "RAY_ADDRESS": "auto"})
+    assert server.forkable({**RUN_ENV, "RAY_ADDRESS": "auto"})  # read by ray.init, not at import
+    assert not server.forkable({**RUN_ENV, "RAY_DEDUP_LOGS": "0"})
     assert not server.forkable({**RUN_ENV, "OMP_NUM_THREADS": "7"})
     assert not server.forkable({**RUN_ENV, "PYTHONPATH": "/somewhere/else"})
+
+
+def test_the_suites_runs_are_forked_after_its_imports_changed_the_environment(server):
+    """Importing transformers' models (sklearn), deepspeed or vLLM sets variables in the test process's environment
+    (KMP_*, PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_*): a run's environment leaves them out, or no run would be
+    forked once a test built a model."""
+    import sklearn  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    assert os.environ.get("KMP_DUPLICATE_LIB_OK") and "KMP_DUPLICATE_LIB_OK" not in RUN_ENV
+    assert server.forkable(run_env())
+    assert not server.forkable({**run_env(), "KMP_DUPLICATE_LIB_OK": "True"})

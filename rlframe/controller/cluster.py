@@ -126,10 +126,26 @@ def merge_with_job_env(ours: dict, job: dict | None) -> tuple[dict, list[str]]:
 LOCAL_TASK_EVENTS_KEPT = 1_000
 
 
+def local_cluster_settings(dashboard: bool = False) -> dict[str, str]:
+    """The Ray settings (env vars its daemons read) of a local cluster we start; a value the user set wins.
+
+    Without the dashboard nothing reads Ray's own metrics: its agents skip collecting and exporting them. Nor the
+    event record the GCS keeps of every task call, up to Ray's 100,000 (for the dashboard and `ray list tasks`): on
+    the soak (examples/benchmark/soak.py) it grew the GCS by ~1.9 MiB per 100 steps, a few KiB per call; kept to the
+    latest LOCAL_TASK_EVENTS_KEPT, the GCS levelled off at ~51 MiB after ~240 steps. And Ray starts idle workers for
+    the first driver (one per CPU, as many at once as it has cores) to serve its tasks; ours are actors with a
+    runtime env of their own, which those workers never get: each was a Python process importing Ray for nothing
+    (~1 s of CPU each, on the cores the run's own workers start on)."""
+    settings = {} if dashboard else {"RAY_enable_metrics_collection": "0",
+                                     "RAY_task_events_max_num_task_in_gcs": str(LOCAL_TASK_EVENTS_KEPT)}
+    settings["RAY_prestart_worker_first_driver"] = "0"
+    return {key: os.environ.get(key, value) for key, value in settings.items()}
+
+
 def connect(address: str | None, num_cpus: int | None, env: dict, dashboard: bool = False) -> None:
     """Join the cluster at `address` or $RAY_ADDRESS (``auto`` finds a local head), else start a local one (with
-    Ray's dashboard only when `dashboard`). Run as a submitted Ray job, our runtime env joins the job's
-    (merge_with_job_env)."""
+    Ray's dashboard only when `dashboard`, and local_cluster_settings). Run as a submitted Ray job, our runtime env
+    joins the job's (merge_with_job_env)."""
     if ray.is_initialized():
         return
     env, notes = merge_with_job_env(env, job_runtime_env())
@@ -139,17 +155,7 @@ def connect(address: str | None, num_cpus: int | None, env: dict, dashboard: boo
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        if not dashboard:  # nothing reads Ray's own metrics either: its agents skip collecting and exporting them
-            os.environ.setdefault("RAY_enable_metrics_collection", "0")
-            # Nor the event record the GCS keeps of every task call, up to Ray's 100,000 (for the dashboard and
-            # `ray list tasks`): on the soak (examples/benchmark/soak.py) it grew the GCS by ~1.9 MiB per 100 steps,
-            # a few KiB per call. Kept to the latest LOCAL_TASK_EVENTS_KEPT, the GCS levelled off at ~51 MiB after
-            # ~240 steps; the env var set by the user wins.
-            os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(LOCAL_TASK_EVENTS_KEPT))
-        # Ray starts idle workers for the first driver (one per CPU, as many at once as it has cores) to serve its
-        # tasks; ours are actors with a runtime env of their own, which those workers never get: each was a Python
-        # process importing Ray for nothing (~1 s of CPU each, on the cores the run's own workers start on).
-        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+        os.environ.update(local_cluster_settings(dashboard))
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard, runtime_env=env, log_to_driver=True)
 
 
