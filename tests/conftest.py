@@ -68,12 +68,13 @@ def vllm_installed() -> bool:
 
 # The environment the tests started with, plus what every run gets: the fork server's (tests/fork_runner.py).
 RUN_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-# Set in this process by what the tests import (sklearn: KMP_*; deepspeed, vLLM: PYTORCH_NVML_BASED_CUDA_CHECK;
-# torch's inductor, vLLM: TORCHINDUCTOR_*, TRITON_*, TILELANG_*; ray: RAY_CLIENT_MODE; pygame): no part of the
-# environment a user's command starts with, and each would keep a run from being forked.
-SET_BY_IMPORTS = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
-                  "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING", "TILELANG_CLEANUP_TEMP_FILES",
-                  "RAY_CLIENT_MODE", "PYGAME_HIDE_SUPPORT_PROMPT")
+# Set in this process by the libraries the tests use (sklearn: KMP_*; deepspeed, vLLM: PYTORCH_NVML_BASED_CUDA_CHECK;
+# torch's inductor, vLLM: TORCHINDUCTOR_*, TRITON_*, TILELANG_*; `import ray`: RAY_CLIENT_MODE; `ray.init`, kept
+# after its shutdown: RAY_AUTH_MODE, PYTHONBREAKPOINT; pygame): no part of the environment a user's command starts
+# with, and each would keep a run from being forked.
+SET_BY_LIBRARIES = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
+                    "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING", "TILELANG_CLEANUP_TEMP_FILES",
+                    "RAY_CLIENT_MODE", "RAY_AUTH_MODE", "PYTHONBREAKPOINT", "PYGAME_HIDE_SUPPORT_PROMPT")
 # RLFRAME_TESTS_FORK=0: every run in a fresh interpreter.
 FORKED_RUNS = os.environ.get("RLFRAME_TESTS_FORK", "1") != "0"
 _fork_server = None
@@ -105,8 +106,8 @@ def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter
 
 
 def run_env() -> dict[str, str]:
-    """The environment of a run: ours now (with what a test set), without what our imports set (SET_BY_IMPORTS)."""
-    return {**{k: v for k, v in os.environ.items() if k not in SET_BY_IMPORTS or k in RUN_ENV},
+    """The environment of a run: ours now (with what a test set), without what our libraries set (SET_BY_LIBRARIES)."""
+    return {**{k: v for k, v in os.environ.items() if k not in SET_BY_LIBRARIES or k in RUN_ENV},
             "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
 
@@ -121,7 +122,7 @@ def suite_cluster_address(args: list[str], env: dict[str, str]) -> str | None:
     own = ("trainer.ray_address=", "trainer.ray_dashboard=", "trainer.nnodes=")
     if not SHARED_RAY or cpus[-1:] != [str(SUITE_CLUSTER_CPUS)] or any(arg.startswith(own) for arg in args):
         return None
-    if _fork_server.differences(env):
+    if any(not key.startswith("PYTEST_") for key in _fork_server.differences(env)):  # (pytest's: the test's name)
         return None
     if _suite_cluster is None or any(p.poll() is not None for p in _suite_cluster.processes):
         from ray_cluster import LocalRayCluster

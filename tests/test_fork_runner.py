@@ -9,10 +9,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, RUN_ENV, run_env
+import conftest
+
+from conftest import REPO_ROOT, RUN_ENV, run_env, run_tiny
 from fork_runner import ForkServer
 
 
@@ -84,13 +87,34 @@ def test_an_environment_read_at_import_is_not_forked(server):
     assert not server.forkable({**RUN_ENV, "PYTHONPATH": "/somewhere/else"})
 
 
-def test_the_suites_runs_are_forked_after_its_imports_changed_the_environment(server):
-    """Importing transformers' models (sklearn), deepspeed or vLLM sets variables in the test process's environment
-    (KMP_*, PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_*): a run's environment leaves them out, or no run would be
-    forked once a test built a model."""
+def test_the_suites_runs_are_forked_after_its_libraries_changed_the_environment(server):
+    """Importing transformers' models (sklearn), deepspeed or vLLM, or a Ray cluster started in the test process,
+    sets variables in its environment (KMP_*, PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_*, RAY_AUTH_MODE): a run's
+    environment leaves them out, or no run would be forked once a test built a model or started Ray."""
+    import ray
     import sklearn  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401
 
+    ray.init(num_cpus=1, include_dashboard=False)
+    ray.shutdown()
     assert os.environ.get("KMP_DUPLICATE_LIB_OK") and "KMP_DUPLICATE_LIB_OK" not in RUN_ENV
-    assert server.forkable(run_env())
+    assert os.environ.get("RAY_AUTH_MODE") and "RAY_AUTH_MODE" not in RUN_ENV
+    env = run_env()
+    assert server.forkable(env), {k: (env.get(k), RUN_ENV.get(k)) for k in server.differences(env)}
     assert not server.forkable({**run_env(), "KMP_DUPLICATE_LIB_OK": "True"})
+
+
+@pytest.mark.skipif(not (conftest.FORKED_RUNS and conftest.SHARED_RAY), reason="RLFRAME_TESTS_FORK=0 or RLFRAME_TESTS_SHARED_RAY=0")
+def test_a_tiny_run_joins_the_suite_cluster_and_its_workers_end_with_it(tmp_path, tiny_model_dir):
+    """A forked tiny run (trainer.num_cpus=4) joins this test process's Ray cluster instead of starting its own
+    (tests/conftest.py suite_cluster_address), and none of its workers outlives it there."""
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "trainer.val_before_train=false",
+                               "trainer.val_at_end=false", "trainer.export_hf=false")
+    workers = [int(log.stem.removeprefix("worker-")) for log in (run_dir / "logs").glob("worker-*.log")]
+    assert workers
+    cluster_logs = Path(conftest._suite_cluster.temp_dir).glob("session_*/logs/worker-*.out")
+    assert set(workers) <= {int(log.stem.rsplit("-", 1)[1]) for log in cluster_logs}  # its workers were the cluster's
+    deadline = time.monotonic() + 30
+    while any(_state(pid) not in ("gone", "Z") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert {pid: _state(pid) for pid in workers if _state(pid) not in ("gone", "Z")} == {}
