@@ -10,7 +10,6 @@ glossary (rlframe/trainer/metric_glossary.py) explains each of them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -22,6 +21,7 @@ OUT = REPO / "tests" / "data" / "logged_metrics.json"
 
 
 def main(recipes: list[str]) -> None:
+    import conftest
     from conftest import build_tiny_model_dir, read_metrics, run_main
     import test_recipes
 
@@ -33,7 +33,7 @@ def main(recipes: list[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="logged_metrics_"))
     try:
         model = build_tiny_model_dir(work / "tiny")
-        os.environ["RLFRAME_CACHE"] = str(work / "cache")
+        conftest.TEST_ENV["RLFRAME_CACHE"] = str(work / "cache")  # (the runs' environment: conftest.run_env)
         for recipe in recipes:
             folder = work / recipe
             folder.mkdir()

@@ -68,13 +68,33 @@ def vllm_installed() -> bool:
 
 # The environment the tests started with, plus what every run gets: the fork server's (tests/fork_runner.py).
 RUN_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-# Set in this process by the libraries the tests use (sklearn: KMP_*; deepspeed, vLLM: PYTORCH_NVML_BASED_CUDA_CHECK;
-# torch's inductor, vLLM: TORCHINDUCTOR_*, TRITON_*, TILELANG_*; `import ray`: RAY_CLIENT_MODE; `ray.init`, kept
-# after its shutdown: RAY_AUTH_MODE, PYTHONBREAKPOINT; pygame): no part of the environment a user's command starts
-# with, and each would keep a run from being forked.
-SET_BY_LIBRARIES = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
-                    "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING", "TILELANG_CLEANUP_TEMP_FILES",
-                    "RAY_CLIENT_MODE", "RAY_AUTH_MODE", "PYTHONBREAKPOINT", "PYGAME_HIDE_SUPPORT_PROMPT")
+# What the running test set or deleted with `monkeypatch` (None: deleted): a run's environment is RUN_ENV with these.
+# Not the test process's environment as it is now: importing sklearn, cv2 or Transformer Engine, or ray.init, sets
+# variables in it (KMP_*, LD_LIBRARY_PATH, NVTE_*, RAY_AUTH_MODE, ...) that no user's command starts with, and each
+# would keep a run from being forked.
+TEST_ENV: dict[str, str | None] = {}
+
+
+class _NotedMonkeyPatch(pytest.MonkeyPatch):
+    """pytest's monkeypatch, noting in TEST_ENV what a test sets in or deletes from the environment."""
+
+    def setenv(self, name: str, value: str, prepend: str | None = None) -> None:
+        super().setenv(name, value, prepend)
+        TEST_ENV[name] = os.environ[name]
+
+    def delenv(self, name: str, raising: bool = True) -> None:
+        super().delenv(name, raising)
+        TEST_ENV[name] = None
+
+
+@pytest.fixture
+def monkeypatch():
+    patch = _NotedMonkeyPatch()
+    yield patch
+    patch.undo()
+    TEST_ENV.clear()
+
+
 # RLFRAME_TESTS_FORK=0: every run in a fresh interpreter.
 FORKED_RUNS = os.environ.get("RLFRAME_TESTS_FORK", "1") != "0"
 _fork_server = None
@@ -106,9 +126,9 @@ def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter
 
 
 def run_env() -> dict[str, str]:
-    """The environment of a run: ours now (with what a test set), without what our libraries set (SET_BY_LIBRARIES)."""
-    return {**{k: v for k, v in os.environ.items() if k not in SET_BY_LIBRARIES or k in RUN_ENV},
-            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    """The environment of a run: the one the tests started with, and what the running test set (TEST_ENV)."""
+    env = {**RUN_ENV, **{k: v for k, v in TEST_ENV.items() if v is not None}}
+    return {k: v for k, v in env.items() if TEST_ENV.get(k, "") is not None}
 
 
 def suite_cluster_address(args: list[str], env: dict[str, str]) -> str | None:
@@ -122,7 +142,7 @@ def suite_cluster_address(args: list[str], env: dict[str, str]) -> str | None:
     own = ("trainer.ray_address=", "trainer.ray_dashboard=", "trainer.nnodes=")
     if not SHARED_RAY or cpus[-1:] != [str(SUITE_CLUSTER_CPUS)] or any(arg.startswith(own) for arg in args):
         return None
-    if any(not key.startswith("PYTEST_") for key in _fork_server.differences(env)):  # (pytest's: the test's name)
+    if _fork_server.differences(env):
         return None
     if _suite_cluster is None or any(p.poll() is not None for p in _suite_cluster.processes):
         from ray_cluster import LocalRayCluster

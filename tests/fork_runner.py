@@ -6,9 +6,10 @@ driver's libraries (torch, transformers, Ray, tensordict, rlframe: 6-8 CPU-secon
 
 The run itself is what a user's command does: rlframe.main executed as `__main__` (runpy, as `python -m` does) in
 a process of its own, with its own working directory, environment, argv, stdin (/dev/null), stdout and stderr
-(files, read back), its own process group (killed on a timeout, with what it started), its own Ray cluster and
-workers, and its exit status: exit_now's, SystemExit's code, or 1 with the traceback on stderr. Only the
-interpreter's start and the imports of fork_runner_preload.py are shared.
+(files, read back), its own process group (killed on a timeout, with what it started), its own Ray workers (in a
+cluster of its own, or the one $RAY_ADDRESS names: tests/conftest.py's suite cluster) and its exit status:
+exit_now's, SystemExit's code, or 1 with the traceback on stderr. Only the interpreter's start and the imports of
+fork_runner_preload.py are shared.
 
 A run whose environment changes what a preloaded library reads when it is imported (RAY_*, HF_*, TORCH*, OMP_*,
 ...) cannot be forked (`forkable`): the caller starts a fresh interpreter instead. Tests of what the interpreter's

@@ -87,21 +87,31 @@ def test_an_environment_read_at_import_is_not_forked(server):
     assert not server.forkable({**RUN_ENV, "PYTHONPATH": "/somewhere/else"})
 
 
-def test_the_suites_runs_are_forked_after_its_libraries_changed_the_environment(server):
-    """Importing transformers' models (sklearn), deepspeed or vLLM, or a Ray cluster started in the test process,
-    sets variables in its environment (KMP_*, PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_*, RAY_AUTH_MODE): a run's
-    environment leaves them out, or no run would be forked once a test built a model or started Ray."""
+def test_the_suites_runs_are_forked_after_its_libraries_changed_the_environment(server, monkeypatch):
+    """Importing sklearn, cv2 or Transformer Engine, or a Ray cluster started in the test process, sets variables in
+    its environment (KMP_*, LD_LIBRARY_PATH, NVTE_*, RAY_AUTH_MODE): a run's environment is the one the tests started
+    with and what the test set with monkeypatch, or no run would be forked once a test built a model or started Ray."""
     import ray
     import sklearn  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401
 
     ray.init(num_cpus=1, include_dashboard=False)
     ray.shutdown()
-    assert os.environ.get("KMP_DUPLICATE_LIB_OK") and "KMP_DUPLICATE_LIB_OK" not in RUN_ENV
-    assert os.environ.get("RAY_AUTH_MODE") and "RAY_AUTH_MODE" not in RUN_ENV
-    env = run_env()
-    assert server.forkable(env), {k: (env.get(k), RUN_ENV.get(k)) for k in server.differences(env)}
-    assert not server.forkable({**run_env(), "KMP_DUPLICATE_LIB_OK": "True"})
+    os.environ["LD_LIBRARY_PATH"] = "/as/cv2/sets/it"  # (outside monkeypatch: not the test's own)
+    try:
+        assert os.environ.get("KMP_DUPLICATE_LIB_OK") and os.environ.get("RAY_AUTH_MODE")
+        env = run_env()
+        assert server.forkable(env) and server.differences(env) == set(), server.differences(env)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("RLFRAME_CACHE", "/a/cache")
+        monkeypatch.delenv("HOME")
+        env = run_env()
+        assert (env["HF_HUB_OFFLINE"], env["RLFRAME_CACHE"], "HOME" in env) == ("1", "/a/cache", False)
+        assert server.differences(env) >= {"HF_HUB_OFFLINE", "RLFRAME_CACHE", "HOME"} and not server.forkable(env)
+    finally:
+        os.environ.pop("LD_LIBRARY_PATH", None)
+        if "LD_LIBRARY_PATH" in RUN_ENV:
+            os.environ["LD_LIBRARY_PATH"] = RUN_ENV["LD_LIBRARY_PATH"]
 
 
 @pytest.mark.skipif(not (conftest.FORKED_RUNS and conftest.SHARED_RAY), reason="RLFRAME_TESTS_FORK=0 or RLFRAME_TESTS_SHARED_RAY=0")
