@@ -243,7 +243,7 @@ def test_faults_counted_and_named_step_completes_nothing_leaks(engine, tiny_mode
     agents.write_text(FAULT_AGENTS)
     monkeypatch.setenv("GATEWAY_TEST_OUT", str(tmp_path))
     runner = episodes_runner(engine, tiny_model_dir, tmp_path / "record", path=str(agents), name="agent",
-                             episode_timeout_s=4.0, max_concurrent_episodes=5,
+                             episode_timeout_s=10.0, max_concurrent_episodes=5,
                              inherit_env=True)  # (GATEWAY_TEST_OUT: not on the agents' allow-list)
     start = time.monotonic()
     out = runner.run(prompt_batch(engine[1], 5, engine[3]), SamplingSettings(max_new_tokens=32), {"step": 1})
