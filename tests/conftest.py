@@ -127,8 +127,13 @@ def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter
 
 def run_env() -> dict[str, str]:
     """The environment of a run: the one the tests started with, and what the running test set (TEST_ENV)."""
-    env = {**RUN_ENV, **{k: v for k, v in TEST_ENV.items() if v is not None}}
-    return {k: v for k, v in env.items() if TEST_ENV.get(k, "") is not None}
+    env = dict(RUN_ENV)
+    for name, value in TEST_ENV.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
 
 
 def suite_cluster_address(args: list[str], env: dict[str, str]) -> str | None:

@@ -97,8 +97,8 @@ def test_the_suites_runs_are_forked_after_its_libraries_changed_the_environment(
 
     ray.init(num_cpus=1, include_dashboard=False)
     ray.shutdown()
-    os.environ["LD_LIBRARY_PATH"] = "/as/cv2/sets/it"  # (outside monkeypatch: not the test's own)
-    try:
+    with pytest.MonkeyPatch.context() as library:  # (pytest's own, not the test's: as cv2 sets it)
+        library.setenv("LD_LIBRARY_PATH", "/as/cv2/sets/it")
         assert os.environ.get("KMP_DUPLICATE_LIB_OK") and os.environ.get("RAY_AUTH_MODE")
         env = run_env()
         assert server.forkable(env) and server.differences(env) == set(), server.differences(env)
@@ -108,10 +108,6 @@ def test_the_suites_runs_are_forked_after_its_libraries_changed_the_environment(
         env = run_env()
         assert (env["HF_HUB_OFFLINE"], env["RLFRAME_CACHE"], "HOME" in env) == ("1", "/a/cache", False)
         assert server.differences(env) >= {"HF_HUB_OFFLINE", "RLFRAME_CACHE", "HOME"} and not server.forkable(env)
-    finally:
-        os.environ.pop("LD_LIBRARY_PATH", None)
-        if "LD_LIBRARY_PATH" in RUN_ENV:
-            os.environ["LD_LIBRARY_PATH"] = RUN_ENV["LD_LIBRARY_PATH"]
 
 
 @pytest.mark.skipif(not (conftest.FORKED_RUNS and conftest.SHARED_RAY), reason="RLFRAME_TESTS_FORK=0 or RLFRAME_TESTS_SHARED_RAY=0")
