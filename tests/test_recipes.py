@@ -89,9 +89,14 @@ EXTRA_STEP_METRICS = {"ppo_math": ["critic/vf_loss"], "grpo_math_lora": ["actor/
 EXTRA_ARGS = {"grpo_math": ["trainer.loggers=[console,jsonl,tensorboard,wandb]"]}
 
 
+# The recipes whose model is one of rlframe's built-in tiny models (rlframe/models/), built into RLFRAME_CACHE;
+# every other case runs on the tests' tiny Llama (model.path=).
+BUILT_IN_MODEL_RECIPES = ("grpo_vlm_shapes", "grpo_video_shapes", "grpo_audio_tones")
+
+
 @pytest.fixture(scope="module")
 def model_cache(tmp_path_factory):
-    """A private RLFRAME_CACHE for the recipes that name a built-in tiny model (the VLM)."""
+    """A private RLFRAME_CACHE for the recipes that name a built-in tiny model (BUILT_IN_MODEL_RECIPES)."""
     return tmp_path_factory.mktemp("rlframe_cache")
 
 
@@ -139,7 +144,7 @@ def recipe_stage(recipe: str) -> str:
 
 def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
     args = [f"recipe={recipe}", *TINY_SIZES, *SIZES.get(recipe, []), *EXTRA_ARGS.get(recipe, [])]
-    if recipe in ("grpo_vlm_shapes", "grpo_video_shapes", "grpo_audio_tones"):
+    if recipe in BUILT_IN_MODEL_RECIPES:
         return args  # its own model: the tiny Qwen2.5-VL (Qwen2-Audio) the cache builds (model.path: tiny-qwen2.5-vl)
     args.append(f"model.path={model_dir}")
     if recipe == "grpo_judge_math":  # the judge: a small OpenAI-compatible server in this process (docs/judge.md)
@@ -153,8 +158,11 @@ def recipe_args(recipe: str, model_dir: Path, request) -> list[str]:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir, model_cache, request, monkeypatch):
-    monkeypatch.setenv("RLFRAME_CACHE", str(model_cache))
+def test_recipe_runs_end_to_end_on_a_tiny_model(recipe, tmp_path, tiny_model_dir, request, monkeypatch):
+    # Only the built-in models' cases set a variable of their own; the others run in the environment the tests
+    # started with, so their forked runs join the test process's Ray cluster (conftest.suite_cluster_address).
+    if recipe in BUILT_IN_MODEL_RECIPES:
+        monkeypatch.setenv("RLFRAME_CACHE", str(request.getfixturevalue("model_cache")))
     run_dir = tmp_path / "run"
     result = run_main([*recipe_args(recipe, tiny_model_dir, request), f"trainer.run_dir={run_dir}"], cwd=tmp_path)
     assert result.returncode == 0, f"{recipe} failed:\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
