@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import subprocess
@@ -34,25 +35,48 @@ def build_tiny_model_dir(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray instance per test module (8 logical CPUs); actors import rlframe from where we did."""
+@contextlib.contextmanager
+def local_ray(num_cpus: int, **init_kwargs):
+    """A local Ray cluster started in this process and stopped at the end (every daemon reaped, without a second's
+    wait on the autoscaler's monitor), with the Ray settings of a run's own local cluster
+    (rlframe.controller.cluster.local_cluster_settings): no idle workers prestarted for the first driver (~1
+    CPU-second each, one per logical CPU, none of them used by a group of actors with a runtime env), no metrics
+    collection, task events kept to 1,000. Already connected: used as it is, and left running."""
     import ray
 
+    from rlframe.controller.cluster import local_cluster_settings, shutdown
+
+    if ray.is_initialized():
+        yield
+        return
+    settings = local_cluster_settings()
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)  # read by the daemons ray.init starts
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    try:
+        yield
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray instance per test module (8 logical CPUs, local_ray); actors import rlframe from where we did."""
     import rlframe
 
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(rlframe.__file__)))
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if package_root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, paths)])
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False)
-    yield
-    if started:
-        from rlframe.controller.cluster import shutdown
-
-        shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
+    with local_ray(8):
+        yield
 
 
 @pytest.fixture(scope="session")

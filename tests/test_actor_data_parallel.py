@@ -10,9 +10,9 @@ differently must not change the update.
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
+from conftest import local_ray
 from rlframe.config import RLConfig
 from rlframe.controller import ResourcePool, WorkerGroup
 from rlframe.protocol import DataProto
@@ -20,11 +20,8 @@ from rlframe.protocol import DataProto
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    yield
-    from rlframe.controller.cluster import shutdown
-
-    shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
+    with local_ray(4, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}):
+        yield
 
 
 def synthetic_batch(vocab: int, n: int = 8, prompt: int = 6, response: int = 5) -> DataProto:

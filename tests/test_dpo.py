@@ -7,10 +7,9 @@ import json
 import math
 
 import pytest
-import ray
 import torch
 
-from conftest import CPU_DEVICE, read_metrics, run_tiny
+from conftest import CPU_DEVICE, local_ray, read_metrics, run_tiny
 from rlframe.data.files import DatasetError
 from rlframe.stages.data import Pair, collate_pairs, load_pairs
 
@@ -64,11 +63,8 @@ def test_first_dpo_step_is_log2_and_moves_the_margin(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    yield
-    from rlframe.controller.cluster import shutdown
-
-    shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
+    with local_ray(4, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}):
+        yield
 
 
 def _dpo_step(model_dir, world_size: int, tmp_path, strategy: str = "fsdp"):

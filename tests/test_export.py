@@ -7,9 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import ray
 import torch
 
+from conftest import local_ray
 from rlframe.config import RLConfig
 from rlframe.controller import ResourcePool, WorkerGroup
 from rlframe.trainer import checkpoint as ckpt
@@ -28,8 +28,7 @@ def test_export_from_world_size_2_matches_trainer(tiny_model_dir, tmp_path):
     cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_device = 4, 2
     cfg.actor.optim.lr = 1e-2
     batch = synthetic_batch(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    try:
+    with local_ray(2, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}):
         pool = ResourcePool([2], cpus_per_bundle=1, name="export")
         group = WorkerGroup(pool, {"actor_rollout": (ActorRolloutWorker,
                                                      {"settings": actor_settings(cfg, str(tiny_model_dir))})},
@@ -42,10 +41,6 @@ def test_export_from_world_size_2_matches_trainer(tiny_model_dir, tmp_path):
         trainer_log_probs = actor.compute_log_prob(batch).batch["old_log_probs"]
         group.shutdown()
         pool.remove()
-    finally:
-        from rlframe.controller.cluster import shutdown
-
-        shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
 
     out = tmp_path / "hf"
     result = subprocess.run([sys.executable, "-m", "rlframe.export", str(saved.path), str(out)],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import local_ray
 from rlframe.config import RLConfig, apply_algorithm_defaults
 from rlframe.controller import ResourcePool, WorkerGroup
 from test_actor_data_parallel import synthetic_batch
@@ -19,13 +20,8 @@ from test_actor_data_parallel import synthetic_batch
 
 @pytest.fixture(scope="module")
 def ray_session():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    yield
-    from rlframe.controller.cluster import shutdown
-
-    shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
+    with local_ray(4, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}):
+        yield
 
 
 def run_lora_update(model_dir, tmp_path, world_size: int, micro: int, sequence_parallel: int = 1):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import ray
 import torch
+
+from conftest import local_ray
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +92,9 @@ def run_update(model_dir, batch, world_size: int, micro: int, tmp_path, packed: 
 def test_vlm_update_same_at_world_size_1_and_2(vlm_cache, tmp_path):
     _, model_dir = vlm_cache
     batch = image_batch(model_dir, tmp_path)
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    try:
+    with local_ray(4, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}):
         (m1, w1, lp1) = run_update(model_dir, batch, world_size=1, micro=8, tmp_path=tmp_path, packed="false")
         (m2, w2, lp2) = run_update(model_dir, batch, world_size=2, micro=2, tmp_path=tmp_path, packed="true")
-    finally:
-        from rlframe.controller.cluster import shutdown
-
-        shutdown()  # (ray.shutdown, without a second's wait on the autoscaler monitor)
     torch.testing.assert_close(lp1, lp2, rtol=1e-4, atol=1e-5)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
