@@ -213,26 +213,30 @@ def update_once(cfg: RLConfig, model_dir, out_dir):
     return metrics, load_file(str(out_dir / "model.safetensors")), log_probs
 
 
-def fsdp_reference(model_dir, tmp_path):
-    """The FSDP engine as a plain object in this process (world size 1, one micro-batch, padded)."""
+@pytest.fixture(scope="module")
+def fsdp_reference(tiny_model_dir, tmp_path_factory):
+    """The FSDP engine as a plain object in this process (world size 1, one micro-batch, padded): the metrics, saved
+    weights and log-probs of its one update, computed once for both ZeRO stages."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     from rlframe.trainer.worker_settings import actor_settings
     from rlframe.workers.roles.actor_rollout import ActorRolloutWorker
 
-    cfg = actor_config(model_dir, world_size=1, micro=8, strategy="fsdp")
-    actor = ActorRolloutWorker(dataclasses.replace(actor_settings(cfg, str(model_dir)), rollout=None))
-    batch = synthetic_batch(AutoConfig.from_pretrained(model_dir).vocab_size)
+    out = tmp_path_factory.mktemp("fsdp_reference")
+    cfg = actor_config(tiny_model_dir, world_size=1, micro=8, strategy="fsdp")
+    actor = ActorRolloutWorker(dataclasses.replace(actor_settings(cfg, str(tiny_model_dir)), rollout=None))
+    batch = synthetic_batch(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
     log_probs = actor.compute_log_prob(batch).batch["old_log_probs"] * batch.batch["response_mask"]
     metrics = actor.update_actor(batch).meta_info["metrics"]
-    actor.save_hf(str(tmp_path / "fsdp"))
-    return metrics, load_file(str(tmp_path / "fsdp" / "model.safetensors")), log_probs
+    actor.save_hf(str(out))
+    return metrics, load_file(str(out / "model.safetensors")), log_probs
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_update_equals_fsdp_at_1_and_2_ranks(deepspeed_ops, ray_session, tiny_model_dir, tmp_path, zero_stage):
-    reference = fsdp_reference(tiny_model_dir, tmp_path)
+def test_update_equals_fsdp_at_1_and_2_ranks(deepspeed_ops, ray_session, tiny_model_dir, tmp_path, zero_stage,
+                                             fsdp_reference):
+    reference = fsdp_reference
     # 1 rank, 2 micro-batches (padded rows)
     # (a small gather bucket: ZeRO-3 streams the weights in several gathers, the tied embedding alone)
     one_rank = update_once(actor_config(tiny_model_dir, world_size=1, micro=4, zero_stage=zero_stage,
