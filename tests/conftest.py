@@ -49,17 +49,10 @@ def local_ray(num_cpus: int, **init_kwargs):
     if ray.is_initialized():
         yield
         return
-    settings = local_cluster_settings()
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)  # read by the daemons ray.init starts
-    try:
+    with pytest.MonkeyPatch.context() as settings:  # read by the daemons ray.init starts; undone after it
+        for name, value in local_cluster_settings().items():
+            settings.setenv(name, value)
         ray.init(num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     try:
         yield
     finally:

@@ -236,18 +236,17 @@ def fsdp_reference(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_update_equals_fsdp_at_1_and_2_ranks(deepspeed_ops, ray_session, tiny_model_dir, tmp_path, zero_stage,
                                              fsdp_reference):
-    reference = fsdp_reference
     # 1 rank, 2 micro-batches (padded rows)
     # (a small gather bucket: ZeRO-3 streams the weights in several gathers, the tied embedding alone)
     one_rank = update_once(actor_config(tiny_model_dir, world_size=1, micro=4, zero_stage=zero_stage,
                                         gather_bucket_size=40_000), tiny_model_dir, tmp_path / "ws1")
-    assert_same_update(reference, one_rank)
+    assert_same_update(fsdp_reference, one_rank)
     # 2 ranks x 2 micro-batches, packed rows (VARLEN_SDPA) and gradient checkpointing
     two_ranks = update_once(actor_config(tiny_model_dir, world_size=2, micro=2, packed="true",
                                          gradient_checkpointing=True, zero_stage=zero_stage,
                                          gather_bucket_size=40_000),
                             tiny_model_dir, tmp_path / "ws2")
-    assert_same_update(reference, two_ranks)
+    assert_same_update(fsdp_reference, two_ranks)
 
 
 # ------------------------------------------------------------------------------------ checkpoints
