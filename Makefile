@@ -36,9 +36,9 @@ $(STAMP): pyproject.toml
 	echo "$(EXTRAS)" > $(VENV)/.extras
 	touch $@
 
-# DeepSpeed's C++ ops are compiled when the DeepSpeed engine first needs them, one process at a time under a
-# file lock (workers/engine/deepspeed/ops.py), so no default recipe pays for them; this compiles them ahead
-# (~4 CPU-minutes; cached under ~/.cache/torch_extensions).
+# DeepSpeed's CPU Adam op (deepspeed.adam_offload=true) is compiled when the DeepSpeed engine first needs it, one
+# process at a time under a file lock (workers/engine/deepspeed/ops.py), so no default recipe pays for it; this
+# compiles it ahead (~2 CPU-minutes; cached under ~/.cache/torch_extensions).
 deepspeed-ops: install
 	$(BIN)/python -m rlframe.workers.engine.deepspeed
 

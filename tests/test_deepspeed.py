@@ -6,7 +6,8 @@
   accumulation, not DeepSpeed's gradient-accumulation count);
 - checkpoints: save, update, load, update again gives the same update; the checkpoint also resumes
   on the FSDP engine (same layout);
-- DeepSpeedCPUAdam (optimizer offload) steps like torch's AdamW.
+- DeepSpeedCPUAdam (optimizer offload) steps like torch's AdamW;
+- DeepSpeed's communication layer starts without compiling its shared-memory all-reduce op.
 
 The equality runs go through real worker groups (Ray actors with a gloo process group), as in
 tests/test_actor_data_parallel.py.
@@ -31,14 +32,6 @@ pytest.importorskip("deepspeed")
 CPU = DeviceProfile("cpu", torch.float32, "gloo", "sdpa", "hf", False)
 
 
-@pytest.fixture(scope="module")
-def deepspeed_ops():
-    """DeepSpeed's communication op, compiled here (under the file lock) on a fresh machine: `make install` no
-    longer compiles it, and the first worker to need it would otherwise compile it inside its init deadline."""
-    from rlframe.workers.engine.deepspeed.ops import COMM_OPS, _import_deepspeed, build_ops
-
-    _import_deepspeed(CPU)  # (DeepSpeed's CPU accelerator, as the CPU workers use)
-    build_ops(COMM_OPS)
 GPU = DeviceProfile("cuda", torch.bfloat16, "nccl", "flash_attention_2", "vllm", True)
 
 
@@ -139,7 +132,17 @@ def test_gather_buckets_bound_the_elements_gathered_at_once():
     assert [[n for n, _ in b] for b in _buckets(entries, 1000)] == [["a", "b", "c", "d", "e"]]
 
 
-# ------------------------------------------------------------------------------------ CPU Adam
+# ------------------------------------------------------------------------------------ compiled ops
+def test_the_communication_layer_skips_the_shared_memory_op():
+    """Once skipped (the engine does it before DeepSpeed's communication layer starts), DeepSpeed's own loader of
+    its shared-memory all-reduce op builds nothing, so no rank compiles it."""
+    from rlframe.workers.engine.deepspeed.ops import _import_deepspeed, skip_shared_memory_comm_op
+
+    _import_deepspeed(CPU)  # (DeepSpeed's CPU accelerator, as the CPU workers use)
+    from deepspeed.comm.torch import build_shm_op
+
+    skip_shared_memory_comm_op()
+    assert build_shm_op() is None
 def test_cpu_adam_steps_like_torch_adamw():
     from rlframe.workers.engine.deepspeed.ops import CPU_ADAM_OP, build_ops
 
@@ -234,7 +237,7 @@ def fsdp_reference(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_update_equals_fsdp_at_1_and_2_ranks(deepspeed_ops, ray_session, tiny_model_dir, tmp_path, zero_stage,
+def test_update_equals_fsdp_at_1_and_2_ranks(ray_session, tiny_model_dir, tmp_path, zero_stage,
                                              fsdp_reference):
     # 1 rank, 2 micro-batches (padded rows)
     # (a small gather bucket: ZeRO-3 streams the weights in several gathers, the tied embedding alone)
@@ -264,7 +267,7 @@ def assert_same_weights(first: dict, second: dict, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.parametrize("zero_stage,adam_offload", [(3, False), (2, True)], ids=["zero3", "zero2-cpu-adam"])
-def test_checkpoint_round_trip_and_resume_on_fsdp(deepspeed_ops, ray_session, tiny_model_dir, tmp_path, zero_stage, adam_offload):
+def test_checkpoint_round_trip_and_resume_on_fsdp(ray_session, tiny_model_dir, tmp_path, zero_stage, adam_offload):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -305,7 +308,7 @@ def test_checkpoint_round_trip_and_resume_on_fsdp(deepspeed_ops, ray_session, ti
 
 
 # ------------------------------------------------------------------------------------ end to end
-def test_grpo_two_steps_on_deepspeed_zero3(deepspeed_ops, tmp_path, tiny_model_dir):
+def test_grpo_two_steps_on_deepspeed_zero3(tmp_path, tiny_model_dir):
     """`python -m rlframe.main recipe=grpo_math_deepspeed` at ZeRO-3: the actor and the reference policy
     on DeepSpeed, HF rollout; weight sync proven by log-probs, and the checkpoint exports."""
     import json
@@ -360,7 +363,7 @@ def critic_batch():
     return data
 
 
-def test_critic_update_equals_fsdp_then_nonfinite_updates_skip_and_stop(deepspeed_ops, ray_session, tiny_model_dir):
+def test_critic_update_equals_fsdp_then_nonfinite_updates_skip_and_stop(ray_session, tiny_model_dir):
     """The value head (its own LR group) at ZeRO-3 on 2 ranks updates like the FSDP critic; a NaN
     return skips the step (values unchanged) and two in a row stop, as on FSDP."""
     from rlframe.controller import ResourcePool, WorkerGroup

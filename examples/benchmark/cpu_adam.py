@@ -55,7 +55,7 @@ def main() -> None:
     from rlframe.device import DeviceProfile
 
     _import_deepspeed(DeviceProfile("cpu", torch.float32, "gloo", "sdpa", "hf", False))
-    build_ops([CPU_ADAM_OP])  # compiled once per machine (make install does it)
+    build_ops([CPU_ADAM_OP])  # compiled once per machine (`make deepspeed-ops` does it ahead)
 
     shapes = llama_shapes(args.hidden, args.layers, args.intermediate, args.vocab, args.kv_hidden)
     g = torch.Generator().manual_seed(0)

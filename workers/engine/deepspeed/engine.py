@@ -49,7 +49,8 @@ from rlframe.protocol import DataProto
 from rlframe.workers.distributed import barrier, rank
 from rlframe.workers.engine.base import MODEL_INPUTS, TrainingEngine
 from rlframe.workers.engine.checkpoint import OPTIMIZER_FILE, load_rank_state, save_rank_state
-from rlframe.workers.engine.deepspeed.ops import COMM_OPS, CPU_ADAM_OP, _import_deepspeed, build_ops
+from rlframe.workers.engine.deepspeed.ops import (CPU_ADAM_OP, _import_deepspeed, build_ops,
+                                                  skip_shared_memory_comm_op)
 from rlframe.workers.engine.deepspeed.settings import SUPPORTED_ZERO_STAGES, DeepSpeedSettings
 from rlframe.workers.engine.hf_model import build_causal_lm, forward_response_log_probs
 from rlframe.workers.engine.value_model import build_value_model, forward_response_values
@@ -129,7 +130,9 @@ class DeepSpeedEngine(TrainingEngine):
                                      offload_params=settings.offload_params,
                                      offload_optimizer=settings.offload_optimizer)
         deepspeed = _import_deepspeed(profile)
-        build_ops(COMM_OPS + ((CPU_ADAM_OP,) if train and settings.offload_optimizer else ()))
+        if train and settings.offload_optimizer:
+            build_ops([CPU_ADAM_OP])
+        skip_shared_memory_comm_op()
         _init_distributed(deepspeed)
 
         self.value_head = settings.head == "value"

@@ -1,12 +1,17 @@
 """DeepSpeed's compiled ops: build them once under a file lock, and say why one cannot load here.
 
-DeepSpeed JIT-compiles C++ ops the first time a process needs them (`deepspeed_shm_comm` whenever
-its communication layer starts on CPU, `cpu_adam` for optimizer offload). Two processes compiling
-the same op at once abort (seen with deepspeed 0.19.8), so `build_ops` compiles under a file lock,
-and the DeepSpeed engine calls it before it starts DeepSpeed's communication layer: on a fresh machine
-the first rank compiles (minutes) while the others wait, then load what it built. Nothing compiles
-them at install time (no default recipe uses DeepSpeed); `make deepspeed-ops`
-(`python -m rlframe.workers.engine.deepspeed`) compiles them ahead.
+DeepSpeed JIT-compiles C++ ops the first time a process needs them: the engine needs `cpu_adam`, for
+optimizer offload. Two processes compiling the same op at once abort (seen with deepspeed 0.19.8), so
+`build_ops` compiles under a file lock, and the DeepSpeed engine calls it before it starts DeepSpeed's
+communication layer: on a fresh machine the first rank compiles (minutes) while the others wait, then load
+what it built. Nothing compiles it at install time (no default recipe uses DeepSpeed); `make deepspeed-ops`
+(`python -m rlframe.workers.engine.deepspeed`) compiles it ahead.
+
+DeepSpeed's communication layer would also compile its shared-memory all-reduce op (`deepspeed_shm_comm`)
+whenever it starts on CPU. Only DeepSpeed-Inference's tensor-parallel layers call that op
+(`inference_all_reduce`), which a training engine never uses; without it, such a call falls back to the
+process group's all_reduce. `skip_shared_memory_comm_op` tells DeepSpeed it is unavailable, so no engine
+compiles it (its two C++ files took 94 and 95 s, side by side, on our 2-core machine).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import torch
 
 from rlframe.device import DeviceProfile
 
-# The ops a process may JIT-compile, per need (DeepSpeed op-builder class names).
-COMM_OPS = ("ShareMemCommBuilder",)  # loaded by deepspeed.comm on the CPU accelerator
+# The op the engine may JIT-compile (a DeepSpeed op-builder class name), and the one it keeps DeepSpeed from compiling.
 CPU_ADAM_OP = "CPUAdamBuilder"
+SHARED_MEMORY_COMM_OP = "ShareMemCommBuilder"  # loaded by deepspeed.comm on the CPU accelerator
 
 
 def _extensions_dir() -> Path:
@@ -56,6 +61,18 @@ def build_ops(names: tuple[str, ...] | list[str]) -> None:
             builder = get_accelerator().create_op_builder(name)
             if builder is not None and builder.is_compatible(verbose=False):
                 builder.load(verbose=False)
+
+
+def skip_shared_memory_comm_op() -> None:
+    """Mark DeepSpeed's shared-memory all-reduce op incompatible in this process (DeepSpeed's own record of which
+    ops can build here), so that its communication layer starts without compiling it (see the module's note).
+    Call after `_import_deepspeed`, before DeepSpeed's communication layer starts."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(SHARED_MEMORY_COMM_OP)
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def extension_problem(op: str = CPU_ADAM_OP) -> str | None:
@@ -97,10 +114,10 @@ def _import_deepspeed(profile: DeviceProfile):
 
 
 def main() -> None:
-    """`make deepspeed-ops`: compile the ops ahead of their first use. An op that cannot be built is
+    """`make deepspeed-ops`: compile the engine's op ahead of its first use. An op that cannot be built is
     reported, not fatal: validate_config names it if a run asks for it."""
     _import_deepspeed(DeviceProfile("cuda" if torch.cuda.is_available() else "cpu", torch.float32, "", "", "", False))
-    for op in COMM_OPS + (CPU_ADAM_OP,):
+    for op in (CPU_ADAM_OP,):
         try:
             build_ops([op])
             print(f"deepspeed op {op}: ready")
