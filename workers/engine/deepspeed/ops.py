@@ -117,10 +117,9 @@ def main() -> None:
     """`make deepspeed-ops`: compile the engine's op ahead of its first use. An op that cannot be built is
     reported, not fatal: validate_config names it if a run asks for it."""
     _import_deepspeed(DeviceProfile("cuda" if torch.cuda.is_available() else "cpu", torch.float32, "", "", "", False))
-    for op in (CPU_ADAM_OP,):
-        try:
-            build_ops([op])
-            print(f"deepspeed op {op}: ready")
-        except Exception as error:  # (a missing compiler or CUDA toolkit; the message says which)
-            print(f"deepspeed op {op}: NOT built ({type(error).__name__}: {error}); "
-                  "runs that need it will say so before they start")
+    try:
+        build_ops([CPU_ADAM_OP])
+        print(f"deepspeed op {CPU_ADAM_OP}: ready")
+    except Exception as error:  # (a missing compiler or CUDA toolkit; the message says which)
+        print(f"deepspeed op {CPU_ADAM_OP}: NOT built ({type(error).__name__}: {error}); "
+              "runs that need it will say so before they start")
