@@ -30,8 +30,6 @@ from test_actor_data_parallel import assert_same_update, synthetic_batch
 pytest.importorskip("deepspeed")
 
 CPU = DeviceProfile("cpu", torch.float32, "gloo", "sdpa", "hf", False)
-
-
 GPU = DeviceProfile("cuda", torch.bfloat16, "nccl", "flash_attention_2", "vllm", True)
 
 
@@ -143,6 +141,8 @@ def test_the_communication_layer_skips_the_shared_memory_op():
 
     skip_shared_memory_comm_op()
     assert build_shm_op() is None
+
+
 def test_cpu_adam_steps_like_torch_adamw():
     from rlframe.workers.engine.deepspeed.ops import CPU_ADAM_OP, build_ops
 
