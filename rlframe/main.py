@@ -256,6 +256,11 @@ def prepare_data(cfg: RLConfig, run_dir: Path) -> tuple[list[str], list[str]]:
     return [str(train)], [str(val)]
 
 
+# What every worker's environment gets (the KV cache size reaches vLLM as an engine argument).
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
 def init_ray(cfg: RLConfig, run_dir: Path | None = None) -> None:
     """Join or start the Ray cluster. With `run_dir` (and not trainer.verbose), every worker's stdout and stderr
     (vLLM, transformers, torch, tqdm) go to <run_dir>/logs/worker-<pid>.log, our own warnings still to the console."""
@@ -263,8 +268,7 @@ def init_ray(cfg: RLConfig, run_dir: Path | None = None) -> None:
 
     if ray.is_initialized():
         return
-    env_vars = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # (the KV cache size reaches vLLM as an engine argument)
+    env_vars = dict(WORKER_ENV)
     # Join RAY_ADDRESS / trainer.ray_address (e.g. auto) or start a local cluster; trainer.runtime_env
     # (env vars, working dir) reaches every worker on every node.
     from rlframe.controller.cluster import connect, runtime_env

@@ -121,13 +121,18 @@ _fork_server = None
 SUITE_CLUSTER_CPUS = 4
 SHARED_RAY = os.environ.get("RLFRAME_TESTS_SHARED_RAY", "1") != "0"
 _suite_cluster = None
+# A forked run's Ray workers are forked too, from a process that imported their libraries (tests/worker_zygote.py).
+# RLFRAME_TESTS_FORK_WORKERS=0: every worker a fresh interpreter, as Ray starts it.
+FORKED_WORKERS = os.environ.get("RLFRAME_TESTS_FORK_WORKERS", "1") != "0"
+_worker_zygote = None
 
 
 def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter: bool = False
              ) -> subprocess.CompletedProcess:
     """Run `python -m rlframe.main ARGS` as a user would, in its own process: forked from a process that already
-    imported the driver's libraries (tests/fork_runner.py), or with `fresh_interpreter` (or an environment that
-    changes what those libraries read at import) in a new interpreter."""
+    imported the driver's libraries (tests/fork_runner.py), its Ray workers forked from one that imported theirs
+    (worker_zygote_env), or with `fresh_interpreter` (or an environment that changes what those libraries read at
+    import) in a new interpreter."""
     global _fork_server
     env = run_env()
     if FORKED_RUNS and not fresh_interpreter:
@@ -137,7 +142,8 @@ def run_main(args: list[str], cwd: Path, timeout: float = 600, fresh_interpreter
             _fork_server = ForkServer(RUN_ENV)
         if _fork_server.forkable(env):
             address = suite_cluster_address(args, env)
-            return _fork_server.run(args, cwd, {**env, "RAY_ADDRESS": address} if address else env, timeout)
+            env = {**env, **({"RAY_ADDRESS": address} if address else {}), **worker_zygote_env()}
+            return _fork_server.run(args, cwd, env, timeout)
     return subprocess.run([sys.executable, "-m", "rlframe.main", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -176,6 +182,24 @@ def suite_cluster_address(args: list[str], env: dict[str, str]) -> str | None:
                                          in_temp_dir=True).start()
         atexit.register(_suite_cluster.stop)
     return _suite_cluster.address
+
+
+def worker_zygote_env() -> dict[str, str]:
+    """What a forked run adds to its environment so that its Ray workers are forked too (tests/worker_zygote.py):
+    Ray's runtime-env hook, which gives the job the server's `py_executable`. The server (one per test process,
+    started with the first forked run) has the environment the runs' workers get: the tests' and rlframe's
+    WORKER_ENV (a worker whose environment differs in what its libraries read at import is not forked)."""
+    global _worker_zygote
+    if not FORKED_WORKERS:
+        return {}
+    if _worker_zygote is None or not _worker_zygote.alive():
+        from worker_zygote import WorkerZygote
+
+        from rlframe.main import WORKER_ENV
+
+        _worker_zygote = WorkerZygote({**RUN_ENV, **WORKER_ENV})
+        atexit.register(_worker_zygote.close)
+    return _worker_zygote.run_env()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

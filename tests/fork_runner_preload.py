@@ -9,3 +9,4 @@ import rlframe.stages.run  # noqa: F401  (the stages' drivers)
 import rlframe.trainer.rl_trainer  # noqa: F401  (tensordict, torch._dynamo, Ray)
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 import ray.dashboard.optional_deps  # noqa: F401,E402  (ray.init imports it to choose its daemons: ~1.5 s of aiohttp)
+import worker_zygote  # noqa: F401,E402  (its runtime-env hook, for the runs whose workers are forked)

@@ -15,8 +15,9 @@ import pytest
 
 import conftest
 
-from conftest import REPO_ROOT, RUN_ENV, run_env, run_tiny
+from conftest import REPO_ROOT, RUN_ENV, read_metrics, run_env, run_tiny
 from fork_runner import ForkServer
+from test_checkpoint_resume import comparable
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +114,12 @@ def test_the_suites_runs_are_forked_after_its_libraries_changed_the_environment(
 
 
 @pytest.mark.skipif(not (conftest.FORKED_RUNS and conftest.SHARED_RAY), reason="RLFRAME_TESTS_FORK=0 or RLFRAME_TESTS_SHARED_RAY=0")
-def test_a_tiny_run_joins_the_suite_cluster_and_its_workers_end_with_it(tmp_path, tiny_model_dir):
+def test_a_tiny_run_joins_the_suite_cluster_and_its_workers_end_with_it(tmp_path, tiny_model_dir, monkeypatch):
     """A forked tiny run (trainer.num_cpus=4) joins this test process's Ray cluster instead of starting its own
-    (tests/conftest.py suite_cluster_address), and none of its workers outlives it there."""
-    run_dir, result = run_tiny(tmp_path, tiny_model_dir, "grpo_math", "trainer.val_before_train=false",
-                               "trainer.val_at_end=false", "trainer.export_hf=false")
+    (tests/conftest.py suite_cluster_address), and none of its workers outlives it there. Its workers were forked
+    (tests/worker_zygote.py), and the same run with fresh workers logs the same figures."""
+    tiny = ("grpo_math", "trainer.val_before_train=false", "trainer.val_at_end=false", "trainer.export_hf=false")
+    run_dir, result = run_tiny(tmp_path, tiny_model_dir, *tiny)
     workers = [int(log.stem.removeprefix("worker-")) for log in (run_dir / "logs").glob("worker-*.log")]
     assert workers
     cluster_logs = Path(conftest._suite_cluster.temp_dir).glob("session_*/logs/worker-*.out")
@@ -126,3 +128,12 @@ def test_a_tiny_run_joins_the_suite_cluster_and_its_workers_end_with_it(tmp_path
     while any(_state(pid) not in ("gone", "Z") for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert {pid: _state(pid) for pid in workers if _state(pid) not in ("gone", "Z")} == {}
+    if not conftest.FORKED_WORKERS:
+        return
+    assert set(workers) <= conftest._worker_zygote.forked()
+    monkeypatch.setattr(conftest, "FORKED_WORKERS", False)
+    (tmp_path / "fresh").mkdir()
+    fresh_dir, _ = run_tiny(tmp_path / "fresh", tiny_model_dir, *tiny)
+    fresh_workers = {int(log.stem.removeprefix("worker-")) for log in (fresh_dir / "logs").glob("worker-*.log")}
+    assert fresh_workers and not fresh_workers & conftest._worker_zygote.forked()
+    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(fresh_dir))
