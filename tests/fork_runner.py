@@ -103,6 +103,14 @@ def serve() -> None:
         answers.write(json.dumps({"status": status}) + "\n")
 
 
+def exit_status(stop: SystemExit) -> int:
+    """The status the interpreter exits with on an uncaught SystemExit (a code that is not an int: printed, 1)."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
 def _become_the_run(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """In the forked process: `python -m rlframe.main ARGS` run from `cwd` with `env`; never returns."""
     import runpy
@@ -126,11 +134,8 @@ def _become_the_run(args: list[str], cwd: str, env: dict[str, str], out: str, er
         sys.path[0] = cwd  # as `python -m` puts the working directory first
         runpy.run_module("rlframe.main", run_name="__main__", alter_sys=True)
         code = 0  # (a finished run leaves through exit_now; --help and --cfg return)
-    except SystemExit as stop:  # as the interpreter treats it
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
+    except SystemExit as stop:
+        code = exit_status(stop)
     except BaseException:  # noqa: BLE001  (the interpreter's last resort: the traceback, status 1)
         traceback.print_exc()
     finally:  # then the interpreter's exit: its threads joined, its exit hooks (Ray's shutdown among them) run

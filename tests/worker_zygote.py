@@ -35,7 +35,7 @@ import signal
 import socket
 import sys
 
-from fork_runner import IMPORT_TIME_PREFIXES
+from fork_runner import IMPORT_TIME_PREFIXES, exit_status
 
 HOOK = "worker_zygote.add_py_executable"
 SOCKET_ENV = "RLFRAME_TESTS_WORKER_ZYGOTE"  # in a run's environment: the server's socket, for the hook
@@ -274,11 +274,8 @@ def _become_the_worker(request: dict, fds: list[int]) -> None:
         _reimport_what_looked_for_ray()
         runpy.run_path(script, run_name="__main__")
         code = 0
-    except SystemExit as stop:  # as the interpreter treats it
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
+    except SystemExit as stop:
+        code = exit_status(stop)
     except BaseException:  # noqa: BLE001  (the interpreter's last resort: the traceback, status 1)
         traceback.print_exc()
     finally:  # the interpreter's exit: its threads joined, its exit hooks run
