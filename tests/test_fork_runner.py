@@ -119,6 +119,9 @@ def test_a_tiny_run_joins_the_suite_cluster_and_its_workers_end_with_it(tmp_path
     (tests/conftest.py suite_cluster_address), and none of its workers outlives it there. Its workers were forked
     (tests/worker_zygote.py), and the same run with fresh workers logs the same figures."""
     tiny = ("grpo_math", "trainer.val_before_train=false", "trainer.val_at_end=false", "trainer.export_hf=false")
+    if conftest.FORKED_WORKERS:  # (its first workers would not wait for its imports past CLIENT_WAIT_S)
+        conftest.worker_zygote_env()
+        conftest._worker_zygote.wait_listening()
     run_dir, result = run_tiny(tmp_path, tiny_model_dir, *tiny)
     workers = [int(log.stem.removeprefix("worker-")) for log in (run_dir / "logs").glob("worker-*.log")]
     assert workers

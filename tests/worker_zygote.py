@@ -39,7 +39,7 @@ from fork_runner import IMPORT_TIME_PREFIXES, exit_status
 
 HOOK = "worker_zygote.add_py_executable"
 SOCKET_ENV = "RLFRAME_TESTS_WORKER_ZYGOTE"  # in a run's environment: the server's socket, for the hook
-CLIENT_WAIT_S = 30  # a client waits this long for a server still importing (Ray gives a worker 60 s to register)
+CLIENT_WAIT_S = 45  # a client waits this long for a server still importing (Ray gives a worker 60 s to register)
 # What the preloaded libraries read when they are imported: fork_runner's list but Ray's (the server never imports
 # Ray; a child reads RAY_* when it does), and OMP_NUM_THREADS, which Ray sets for each worker (_become_the_worker).
 PRELOAD_PREFIXES = tuple(prefix for prefix in IMPORT_TIME_PREFIXES if prefix != "RAY_")
@@ -79,6 +79,16 @@ class WorkerZygote:
     def run_env(self) -> dict[str, str]:
         """What the environment of a run whose workers the server forks adds."""
         return {"RAY_RUNTIME_ENV_HOOK": HOOK, SOCKET_ENV: self.path}
+
+    def wait_listening(self, timeout_s: float = 180) -> None:
+        """Until it has imported what it preloads and listens (its first clients would wait, or start fresh)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while os.path.exists(os.path.join(self.folder, "starting")) and self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with open(self.log, errors="replace") as log:
+            assert os.path.exists(self.path), f"the worker server is not listening; its log:\n{log.read()[-3000:]}"
 
     def forked(self) -> set[int]:
         """The pids of the workers it forked so far."""
