@@ -1,11 +1,11 @@
-"""Ray workers for the suite cluster, forked from a process that already imported a worker's libraries.
+"""Ray workers for the tests' forked runs, forked from a process that already imported a worker's libraries.
 
 A fresh worker of a tiny run spends most of its CPU importing torch, transformers, tensordict, vLLM and Ray before it
 does any work (py-spy: ~80% of its samples, ~10 CPU-seconds for a vLLM worker), and the suite starts a few hundred.
-One server per test process imports them once, and the suite cluster's workers are its forked children:
+One server per test process imports them once, and the forked runs' workers are its forked children:
 
-    zygote = WorkerZygote(env)  # beside the suite cluster, with the environment its workers get (tests/conftest.py)
-    run_env = {**env, **zygote.run_env()}  # a run that joins the suite cluster: RAY_RUNTIME_ENV_HOOK, the socket
+    zygote = WorkerZygote(env)  # with the environment the runs' workers get (tests/conftest.py worker_zygote_env)
+    run_env = {**env, **zygote.run_env()}  # a forked run's: RAY_RUNTIME_ENV_HOOK and the server's socket
 
 The run's `ray.init` calls Ray's runtime-env hook (add_py_executable), which sets the job's `py_executable`, Ray's own
 runtime-env field for the command that runs a worker: Ray then starts each worker as `python -S worker_zygote.py
@@ -22,7 +22,7 @@ The server never imports Ray: `import ray` fixes Ray's C++ settings from the env
 of a worker among them (its worker then fails a check in Ray's core worker). So each child imports Ray itself
 (~1.4 s of CPU) and reimports the one vLLM module that looks for Ray when it is imported (preload).
 
-A worker whose environment differs in what a preloaded library reads at import (PRELOAD_PREFIXES: OMP_*, VLLM_*,
+A worker whose environment differs in what a preloaded library reads at import (_read_at_preload: OMP_*, VLLM_*,
 PYTHON*, TORCH*, ...) is not forked: the client execs the interpreter, as Ray would have. The server's log says, for
 each worker, "forked PID" or why not.
 """
@@ -35,15 +35,9 @@ import signal
 import socket
 import sys
 
-from fork_runner import IMPORT_TIME_PREFIXES, exit_status
-
 HOOK = "worker_zygote.add_py_executable"
 SOCKET_ENV = "RLFRAME_TESTS_WORKER_ZYGOTE"  # in a run's environment: the server's socket, for the hook
 CLIENT_WAIT_S = 45  # a client waits this long for a server still importing (Ray gives a worker 60 s to register)
-# What the preloaded libraries read when they are imported: fork_runner's list but Ray's (the server never imports
-# Ray; a child reads RAY_* when it does), and OMP_NUM_THREADS, which Ray sets for each worker (_become_the_worker).
-PRELOAD_PREFIXES = tuple(prefix for prefix in IMPORT_TIME_PREFIXES if prefix != "RAY_")
-READ_BY_THE_CHILD = ("OMP_NUM_THREADS",)
 
 
 def add_py_executable(runtime_env: dict | None) -> dict:
@@ -56,12 +50,14 @@ def add_py_executable(runtime_env: dict | None) -> dict:
 
 
 class WorkerZygote:
-    """The server, in a process of its own started with `env` (the environment the suite cluster's workers get),
-    listening on a Unix socket in a temp dir of its own."""
+    """The server, in a process of its own started with `env` (the environment the runs' workers get), listening on
+    a Unix socket in a temp dir of its own."""
 
     def __init__(self, env: dict[str, str]):
         import subprocess
         import tempfile
+
+        from ray_cluster import _terminated_with_parent
 
         self.folder = tempfile.mkdtemp(prefix="rlzy", dir="/tmp")  # short: Unix socket paths are limited
         self.path = os.path.join(self.folder, "socket")
@@ -71,7 +67,7 @@ class WorkerZygote:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", f"import worker_zygote; worker_zygote.serve({self.path!r})"],
                 cwd=os.path.dirname(os.path.abspath(__file__)), env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_ends_with_parent)
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_terminated_with_parent)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -104,18 +100,7 @@ class WorkerZygote:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _ends_with_parent() -> None:
-    """(In the server's process, before it runs) SIGTERM when the test process that started it dies."""
-    _die_with_parent(signal.SIGTERM)
-
-
-def _die_with_parent(number: int) -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, number)  # PR_SET_PDEATHSIG
-
-
-# ---- the server ----
+# ---- the server (the client below does not import what it uses) ----
 
 def preload() -> None:
     """What a worker of the tests' runs imports before it works, except Ray (see the module's docstring). Imports
@@ -205,6 +190,15 @@ def serve(path: str) -> None:
         _kill(pid)
 
 
+def _read_at_preload(name: str) -> bool:
+    """Whether a preloaded library reads environment variable `name` when it is imported: fork_runner's prefixes but
+    RAY_* (the server never imports Ray; a child reads RAY_* when it does), and not OMP_NUM_THREADS, which Ray sets
+    for each worker and the child applies (_become_the_worker)."""
+    from fork_runner import IMPORT_TIME_PREFIXES
+
+    return name.startswith(IMPORT_TIME_PREFIXES) and not name.startswith("RAY_") and name != "OMP_NUM_THREADS"
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -224,8 +218,7 @@ def _fork_worker(connection: socket.socket, environment: dict[str, str], inherit
         data += chunk
     request = json.loads(data)
     env = request["env"]
-    differ = sorted(k for k in {*env, *environment} if env.get(k) != environment.get(k)
-                    and k.startswith(PRELOAD_PREFIXES) and k not in READ_BY_THE_CHILD)
+    differ = sorted(k for k in {*env, *environment} if env.get(k) != environment.get(k) and _read_at_preload(k))
     if differ or len(fds) != 3:
         print(f"not forked: its environment differs in {differ}", flush=True)
         connection.sendall(json.dumps({"pid": None}).encode() + b"\n")
@@ -251,10 +244,13 @@ def _become_the_worker(request: dict, fds: list[int]) -> None:
     """In the forked child: `python default_worker.py ARGS` with the client's fds, directory and environment; never
     returns."""
     import atexit
+    import ctypes
     import random
     import runpy
     import threading
     import traceback
+
+    from fork_runner import exit_status
 
     code = 1
     try:
@@ -262,7 +258,7 @@ def _become_the_worker(request: dict, fds: list[int]) -> None:
         for number in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(number, signal.SIG_DFL)
         os.setsid()
-        _die_with_parent(signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the server
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
